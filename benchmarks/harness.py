@@ -1,0 +1,155 @@
+"""What every ``bench_*.py`` shares: flags, timing, the CSV schema, the table.
+
+Timing: device work is asynchronous, so a timed batch enqueues ``iters`` calls
+back to back and blocks once at the end; the batch time over ``iters`` is one
+sample, the median over batches is reported. Inputs rotate over several
+buffers so repeated calls do not measure a warm L2.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from typing import Callable, Sequence
+
+import jax
+from absl import flags
+
+SMOKE = flags.DEFINE_bool(
+    "smoke", None, "Tiny CPU-friendly sizes. Default: on when no GPU is present.")
+CSV = flags.DEFINE_string("csv", None, "Append result rows to this CSV file.")
+REPEATS = flags.DEFINE_integer("repeats", 15, "Timed batches per case (median).")
+
+COLUMNS = ("date", "commit", "device", "benchmark", "case", "implementation",
+           "median_ms", "gbps", "floor_ms", "ratio_to_floor", "peak_mem_mb",
+           "note")
+
+
+@dataclasses.dataclass
+class Row:
+  benchmark: str
+  case: str
+  implementation: str
+  median_ms: float | None = None
+  gbps: float | None = None
+  floor_ms: float | None = None
+  peak_mem_mb: float | None = None
+  note: str = ""
+
+  @property
+  def ratio_to_floor(self) -> float | None:
+    if self.median_ms is None or not self.floor_ms:
+      return None
+    return self.median_ms / self.floor_ms
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def smoke_mode() -> bool:
+  return (not on_gpu()) if SMOKE.value is None else SMOKE.value
+
+
+def device_name() -> str:
+  dev = jax.devices()[0]
+  return getattr(dev, "device_kind", dev.platform) or dev.platform
+
+
+def commit() -> str:
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=here, capture_output=True, text=True).stdout.strip()
+    return rev + ("-dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("RLK_COMMIT", "unknown")
+
+
+def time_batches(run_batch: Callable[[int], None], *, iters: int,
+                 repeats: int | None = None, warmup: int = 2) -> float:
+  """Median milliseconds per call; `run_batch(i)` enqueues call i and returns
+  something to block on only when asked by `sync`."""
+  repeats = repeats or REPEATS.value
+  for i in range(warmup):
+    run_batch(i)
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run_batch(iters)
+    samples.append((time.perf_counter() - start) * 1e3 / iters)
+  return statistics.median(samples)
+
+
+def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
+             repeats: int | None = None) -> float:
+  """Median ms per call of a jitted `fn`, rotating over `arg_sets`."""
+  jax.block_until_ready(fn(*arg_sets[0]))  # compile
+
+  def batch(n):
+    out = None
+    for i in range(max(n, 1)):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+
+  return time_batches(batch, iters=iters, repeats=repeats)
+
+
+def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
+               repeats: int | None = None) -> float:
+  import torch
+  sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+  fn(*arg_sets[0])
+  sync()
+
+  def batch(n):
+    for i in range(max(n, 1)):
+      fn(*arg_sets[i % len(arg_sets)])
+    sync()
+
+  return time_batches(batch, iters=iters, repeats=repeats)
+
+
+def write_csv(rows: Sequence[Row], path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  new = not os.path.exists(path)
+  stamp = dict(date=datetime.date.today().isoformat(), commit=commit(),
+               device=device_name())
+  with open(path, "a", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    if new:
+      writer.writeheader()
+    for row in rows:
+      record = dataclasses.asdict(row)
+      record["ratio_to_floor"] = row.ratio_to_floor
+      writer.writerow({k: _fmt(v) for k, v in {**stamp, **record}.items()})
+
+
+def _fmt(v):
+  if isinstance(v, float):
+    return f"{v:.6g}"
+  return "" if v is None else v
+
+
+def format_table(rows: Sequence[Row]) -> str:
+  headers = ("benchmark", "case", "implementation", "ms", "GB/s", "x floor",
+             "peak MB", "note")
+  body = [(r.benchmark, r.case, r.implementation, _num(r.median_ms, 4),
+           _num(r.gbps, 1), _num(r.ratio_to_floor, 2), _num(r.peak_mem_mb, 1),
+           r.note) for r in rows]
+  widths = [max(len(str(c)) for c in col) for col in zip(headers, *body)]
+  line = lambda cells: "| " + " | ".join(
+      str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(headers), sep, *map(line, body)])
+
+
+def _num(v, digits):
+  return "" if v is None else f"{v:.{digits}g}" if abs(v) < 1 else f"{v:.{digits}f}".rstrip("0").rstrip(".")

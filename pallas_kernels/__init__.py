@@ -1,0 +1,9 @@
+"""Pallas kernel bodies, one module per op and lowering.
+
+Kernels own only the arithmetic; argument checks, gradients and the choice of
+implementation live in ``rlk_jax``.
+"""
+
+from pallas_kernels import row_gather
+
+__all__ = ["row_gather"]

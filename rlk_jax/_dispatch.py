@@ -1,0 +1,98 @@
+"""The implementations table every rlk op dispatches through.
+
+An op names its implementations once, each with an availability probe, and a
+preference order per platform. ``implementation=None`` picks the first
+available one in that order, deterministically; the choice is queryable
+(:func:`selected_implementation`). A *named* implementation that is not
+available raises: it never silently falls back, because for det_gemm a silent
+switch changes bits, which defeats the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import jax
+
+# A probe returns None when the implementation can run on `platform`,
+# otherwise a sentence saying why not.
+Probe = Callable[[str], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  name: str
+  fn: Callable
+  probe: Probe
+  doc: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTable:
+  op: str
+  implementations: Mapping[str, Implementation]
+  # platform ("cpu", "gpu", ...) -> names in order of preference.
+  preference: Mapping[str, Sequence[str]]
+  default_preference: Sequence[str] = ("xla",)
+
+  def unavailable_reason(self, name: str, platform: str) -> str | None:
+    return self.implementations[name].probe(platform)
+
+  def select(self, implementation: str | None, platform: str | None = None
+             ) -> Implementation:
+    platform = platform or current_platform()
+    if implementation is not None:
+      if implementation not in self.implementations:
+        raise ValueError(
+            f"rlk_jax.{self.op}: unknown implementation {implementation!r}; "
+            f"choose one of {sorted(self.implementations)} or None.")
+      reason = self.unavailable_reason(implementation, platform)
+      if reason is not None:
+        raise RuntimeError(
+            f"rlk_jax.{self.op}: implementation {implementation!r} is not "
+            f"available on platform {platform!r}: {reason}")
+      return self.implementations[implementation]
+    order = self.preference.get(platform, self.default_preference)
+    for name in order:
+      if self.unavailable_reason(name, platform) is None:
+        return self.implementations[name]
+    raise RuntimeError(
+        f"rlk_jax.{self.op}: no implementation is available on platform "
+        f"{platform!r}: " + "; ".join(
+            f"{n}: {self.unavailable_reason(n, platform)}" for n in order))
+
+
+_TABLES: dict[str, OpTable] = {}
+
+
+def register(table: OpTable) -> OpTable:
+  _TABLES[table.op] = table
+  return table
+
+
+def current_platform() -> str:
+  return jax.default_backend()
+
+
+def implementations(op: str, platform: str | None = None
+                    ) -> dict[str, str | None]:
+  """Maps each implementation of `op` to None (available) or why it is not."""
+  table = _table(op)
+  platform = platform or current_platform()
+  return {name: table.unavailable_reason(name, platform)
+          for name in table.implementations}
+
+
+def selected_implementation(op: str, implementation: str | None = None,
+                            platform: str | None = None) -> str:
+  """The name of the implementation a call of `op` would use."""
+  return _table(op).select(implementation, platform).name
+
+
+def _table(op: str) -> OpTable:
+  try:
+    return _TABLES[op]
+  except KeyError:
+    raise ValueError(
+        f"rlk_jax: unknown op {op!r}; known ops: {sorted(_TABLES)}") from None

@@ -1,0 +1,299 @@
+"""pack / unpack: masked variable-length pack-and-pad that works inside jit.
+
+``pack(x, mask)`` compacts the active rows of ``x`` (``mask != 0``, in the
+row-major order of ``x[mask]``) into ``[capacity, *tail]``, pad rows equal to
+``fill_value``; ``unpack`` scatters them back. Shapes are static (capacity is
+a Python int), nothing syncs with the host, and the index metadata
+(:class:`PackInfo`) comes from one prefix sum over the mask, computed once and
+reusable for every tensor that shares the mask.
+
+Both directions are one primitive, a row gather with fill, whose gradient is
+the same gather through the inverse map:
+
+* pack:   ``packed[r] = x[gather_map[r]]``   (-1: pad row, ``fill_value``)
+* unpack: ``dense[p]  = packed[scatter_map[p]]`` (-1: inactive, ``fill_value``)
+
+so d(pack) is unpack with zeros and d(unpack) is pack with zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import row_gather
+from rlk_jax import _dispatch, _validate, reference
+
+
+# ----------------------------------------------------------------------------
+# Metadata
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["cu_seqlens", "seq_lens", "total", "max_seqlen", "num_dropped",
+                 "segment_ids", "positions", "valid", "gather_map",
+                 "scatter_map"],
+    meta_fields=["mask_shape", "capacity"])
+@dataclasses.dataclass(frozen=True)
+class PackInfo:
+  """Everything a varlen consumer needs about one packing, as a pytree.
+
+  Per sequence (the mask's first axis indexes sequences):
+    cu_seqlens  int32 [n_seq + 1]  cumulative active counts, from the mask
+    seq_lens    int32 [n_seq]      active rows of each sequence
+  Scalars:
+    total       int32 []  active rows in the mask
+    max_seqlen  int32 []
+    num_dropped int32 []  active rows that did not fit (``total - capacity``
+                          when positive); nonzero only if capacity is too small
+  Per packed row ([capacity]):
+    segment_ids int32  sequence of the row, -1 on pad rows
+    positions   int32  0-based position inside its sequence (restarting per
+                       sequence), 0 on pad rows so it is safe as an index
+    valid       bool   the row holds data
+    gather_map  int32  flat source row (into ``mask.reshape(-1)``), -1 on pad
+  Per source position (``mask_shape``):
+    scatter_map int32  packed row of the position, -1 if inactive or dropped
+  Static: ``mask_shape`` and ``capacity``.
+  """
+  cu_seqlens: jax.Array
+  seq_lens: jax.Array
+  total: jax.Array
+  max_seqlen: jax.Array
+  num_dropped: jax.Array
+  segment_ids: jax.Array
+  positions: jax.Array
+  valid: jax.Array
+  gather_map: jax.Array
+  scatter_map: jax.Array
+  mask_shape: tuple[int, ...]
+  capacity: int
+
+
+def pack_info(mask, *, capacity: int | None = None) -> PackInfo:
+  """Computes the :class:`PackInfo` of `mask`, on the device, with no host sync.
+
+  Called eagerly with a concrete mask and ``capacity < mask.size``, it raises
+  ``ValueError`` when the active rows do not fit. Under ``jit`` the overflow
+  is reported in ``info.num_dropped`` (see :func:`check_no_overflow`).
+  """
+  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+    mask = np.asarray(mask)
+  _validate.check_mask_dtype("pack", mask.dtype)
+  mask_shape = tuple(int(d) for d in mask.shape)
+  if len(mask_shape) == 0:
+    raise ValueError("rlk_jax.pack: mask must have rank >= 1 (its first axis "
+                     "indexes sequences), got a scalar of shape ().")
+  size = math.prod(mask_shape)
+  if size >= 2**31:
+    raise ValueError(f"rlk_jax.pack: mask of shape {mask_shape} has {size} "
+                     "positions; the int32 index maps need fewer than 2**31.")
+  capacity = _validate.static_capacity("pack", capacity, size)
+  if capacity < size and _validate.is_concrete(mask):
+    active = int(np.count_nonzero(np.asarray(mask)))
+    if active > capacity:
+      raise ValueError(
+          f"rlk_jax.pack: the mask (shape {mask_shape}) has {active} active "
+          f"rows but capacity is {capacity}; raise capacity to at least "
+          f"{active}. Nothing is dropped silently.")
+  return _pack_info(jnp.asarray(mask), capacity)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_info(mask: jax.Array, capacity: int) -> PackInfo:
+  mask_shape = mask.shape
+  n_seq, size = mask_shape[0], mask.size
+  seq_width = size // n_seq if n_seq else 0
+  active = (mask != 0).reshape(-1)
+  # The one prefix sum everything else is read from.
+  inclusive = jnp.cumsum(active, dtype=jnp.int32)
+  total = inclusive[-1] if size else jnp.zeros((), jnp.int32)
+  if seq_width:
+    seq_ends = inclusive.reshape(n_seq, seq_width)[:, -1]
+  else:
+    seq_ends = jnp.zeros((n_seq,), jnp.int32)
+  cu_seqlens = jnp.concatenate([jnp.zeros((1,), jnp.int32), seq_ends])
+  seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+  max_seqlen = jnp.max(seq_lens, initial=0)
+
+  packed_row = inclusive - 1
+  kept = active & (packed_row < capacity)
+  scatter_flat = jnp.where(kept, packed_row, -1)
+  # Dropped/inactive positions aim out of range and are discarded.
+  gather_map = jnp.full((capacity,), -1, jnp.int32).at[
+      jnp.where(kept, packed_row, capacity)].set(
+          jnp.arange(size, dtype=jnp.int32), mode="drop")
+
+  rows = jnp.arange(capacity, dtype=jnp.int32)
+  valid = rows < jnp.minimum(total, capacity)
+  segment_ids = jnp.where(valid, gather_map // max(seq_width, 1), -1)
+  positions = jnp.where(
+      valid, rows - cu_seqlens[jnp.clip(segment_ids, 0, max(n_seq - 1, 0))], 0)
+  return PackInfo(
+      cu_seqlens=cu_seqlens, seq_lens=seq_lens, total=total,
+      max_seqlen=max_seqlen,
+      num_dropped=jnp.maximum(total - capacity, 0).astype(jnp.int32),
+      segment_ids=segment_ids.astype(jnp.int32), positions=positions,
+      valid=valid, gather_map=gather_map,
+      scatter_map=scatter_flat.reshape(mask_shape),
+      mask_shape=tuple(mask_shape), capacity=capacity)
+
+
+def check_no_overflow(info: PackInfo) -> None:
+  """Raises at run time, also under ``jit``, if the packing dropped rows.
+
+  This is the checked mode: it reads one int32 back to the host (a device to
+  host transfer per call), so it is opt-in (``pack(..., checked=True)``).
+  Under ``jit`` the error surfaces as a runtime error carrying this message.
+  """
+  jax.debug.callback(functools.partial(_raise_if_dropped, info.capacity),
+                     info.num_dropped, info.total)
+
+
+def _raise_if_dropped(capacity, num_dropped, total):
+  if int(num_dropped) > 0:
+    raise ValueError(
+        f"rlk_jax.pack: {int(total)} active rows do not fit capacity "
+        f"{capacity}: {int(num_dropped)} rows were dropped.")
+
+
+# ----------------------------------------------------------------------------
+# The row gather and its implementations
+
+
+def _pallas_probe(platform: str) -> str | None:
+  if row_gather.TRITON_IMPORT_ERROR:
+    return row_gather.TRITON_IMPORT_ERROR
+  if platform in ("gpu", "cuda", "rocm"):
+    return None
+  if platform == "cpu":
+    return None  # Runs the same kernel body in the Pallas interpreter.
+  return f"the Triton lowering does not target {platform!r}"
+
+
+def _pallas_gather(src, idx, fill):
+  interpret = _dispatch.current_platform() == "cpu"
+  return row_gather.gather_rows(src, idx, fill, interpret=interpret)
+
+
+TABLE = _dispatch.register(_dispatch.OpTable(
+    op="pack",
+    implementations={
+        "xla": _dispatch.Implementation(
+            "xla", reference.gather_rows, lambda platform: None,
+            "plain jax.numpy take + where; the oracle and the CPU default"),
+        "pallas": _dispatch.Implementation(
+            "pallas", _pallas_gather, _pallas_probe,
+            "Pallas row-gather kernel (Triton lowering on GPUs, the Pallas "
+            "interpreter on CPUs)"),
+    },
+    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
+))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_rows(impl_name: str, fill, src, idx, inverse_idx):
+  return TABLE.implementations[impl_name].fn(src, idx, fill)
+
+
+def _gather_rows_fwd(impl_name, fill, src, idx, inverse_idx):
+  return _gather_rows(impl_name, fill, src, idx, inverse_idx), (idx, inverse_idx)
+
+
+def _gather_rows_bwd(impl_name, fill, residuals, g):
+  idx, inverse_idx = residuals
+  # Rows never read (pad rows, inactive positions) get zero gradient.
+  return (_gather_rows(impl_name, 0, g, inverse_idx, idx), None, None)
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _move_rows(impl_name, fill, src2d, idx, inverse_idx):
+  if jnp.issubdtype(src2d.dtype, jnp.inexact):
+    return _gather_rows(impl_name, fill, src2d, idx, inverse_idx)
+  # Integer/bool data has no gradient; skip the custom_vjp wrapper.
+  return TABLE.implementations[impl_name].fn(src2d, idx, fill)
+
+
+# ----------------------------------------------------------------------------
+# Public ops
+
+
+def pack(x, mask_or_info, *, capacity: int | None = None, fill_value=0,
+         implementation: str | None = None, checked: bool = False
+         ) -> tuple[jax.Array, PackInfo]:
+  """Packs the active rows of `x` into ``[capacity, *tail]``.
+
+  Args:
+    x: ``[*mask.shape, *tail]``.
+    mask_or_info: the mask (rank >= 1, any dtype, nonzero = active; its first
+      axis indexes sequences) or a :class:`PackInfo` from an earlier
+      ``pack``/``pack_info`` of the same mask, which is then reused as is.
+    capacity: static row count of the result; default ``mask.size``. With a
+      PackInfo it must be None or equal to ``info.capacity``.
+    fill_value: static scalar written to the pad rows.
+    implementation: None (best available), ``"pallas"`` or ``"xla"``.
+    checked: also raise at run time (under jit too) if rows were dropped.
+
+  Returns:
+    ``(packed, info)``.
+  """
+  if isinstance(mask_or_info, PackInfo):
+    info = mask_or_info
+    if capacity is not None and capacity != info.capacity:
+      raise ValueError(f"rlk_jax.pack: capacity={capacity} disagrees with the "
+                       f"given PackInfo's capacity {info.capacity}.")
+  else:
+    info = pack_info(mask_or_info, capacity=capacity)
+  x = _as_array(x)
+  dtype = _validate.check_packable_dtype("pack", "x", x.dtype)
+  _check_prefix("pack", x.shape, info.mask_shape)
+  fill = _validate.static_fill("pack", "fill_value", fill_value, dtype)
+  impl = TABLE.select(implementation).name
+  tail = x.shape[len(info.mask_shape):]
+  src = x.reshape(math.prod(info.mask_shape), math.prod(tail))
+  packed = _move_rows(impl, fill, src, info.gather_map,
+                      info.scatter_map.reshape(-1))
+  if checked:
+    check_no_overflow(info)
+  return packed.reshape((info.capacity, *tail)), info
+
+
+def unpack(packed, info: PackInfo, *, fill_value=0,
+           implementation: str | None = None) -> jax.Array:
+  """Scatters packed rows back to ``[*mask.shape, *tail]``.
+
+  Inactive (and dropped) positions get `fill_value`.
+  """
+  if not isinstance(info, PackInfo):
+    raise TypeError("rlk_jax.unpack: info must be the PackInfo returned by "
+                    f"rlk_jax.pack, got {type(info).__name__}.")
+  packed = _as_array(packed)
+  dtype = _validate.check_packable_dtype("unpack", "packed", packed.dtype)
+  if packed.ndim < 1 or packed.shape[0] != info.capacity:
+    raise ValueError(f"rlk_jax.unpack: packed has shape {packed.shape}; its "
+                     f"first axis must be the capacity {info.capacity}.")
+  fill = _validate.static_fill("unpack", "fill_value", fill_value, dtype)
+  impl = TABLE.select(implementation).name
+  tail = packed.shape[1:]
+  src = packed.reshape(info.capacity, math.prod(tail))
+  dense = _move_rows(impl, fill, src, info.scatter_map.reshape(-1),
+                     info.gather_map)
+  return dense.reshape((*info.mask_shape, *tail))
+
+
+def _as_array(x):
+  return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
+
+
+def _check_prefix(op, x_shape, mask_shape):
+  if tuple(x_shape[:len(mask_shape)]) != tuple(mask_shape):
+    raise ValueError(f"rlk_jax.{op}: mask shape {tuple(mask_shape)} must be a "
+                     f"prefix of x's shape {tuple(x_shape)}.")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call: environment check, the whole test suite on the GPU (its
+# "pallas" cases through the Triton lowering, plus the `gpu`-marked tests),
+# then the benchmarks. Full logs go to $OUT; a short table is printed last.
+#
+#   device run (carry .whl):  bash scripts/gpu_suite.sh [extra benchmark flags]
+#
+# The GPU image has jax, torch and triton but no package registry: pytest,
+# hypothesis and absl-py travel as wheels in .whl/ (see README).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/rlk-out}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# JAX would otherwise take 75% of the GPU and starve torch's baselines.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export RLK_COMMIT="${RLK_COMMIT:-unknown}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import jax, jaxlib, torch, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'torch', torch.__version__, 'triton', triton.__version__); print(jax.devices())"
+} 2>&1 | tee "$OUT/env.log"
+
+start=$(date +%s)
+python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider \
+  --junitxml="$OUT/pytest.xml" "${RLK_PYTEST_ARGS:-tests}" > "$OUT/pytest.log" 2>&1
+test_rc=$?
+test_s=$(( $(date +%s) - start ))
+
+python3 -m benchmarks --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+bench_rc=$?
+cp "$OUT/bench/results.csv" "$OUT/results.csv" 2>/dev/null
+cp "$OUT/bench/report.md" "$OUT/report.md" 2>/dev/null
+rm -rf "$OUT/bench"
+
+echo "== pytest (rc=$test_rc, ${test_s}s): $(tail -n 1 "$OUT/pytest.log")"
+grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+echo "== benchmarks (rc=$bench_rc)"
+tail -n 5 "$OUT/bench.log" | grep -v "^wrote" || true
+sed -n '/^## /,$p' "$OUT/report.md" 2>/dev/null | cut -c1-200
+exit $(( test_rc != 0 || bench_rc != 0 ))

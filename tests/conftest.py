@@ -1,0 +1,70 @@
+"""Shared test fixtures: fresh random inputs, bitwise comparison, impl params."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.fixture
+def rng(request):
+  """A fresh generator per test; the seed is printed so a failure reproduces.
+
+  Set RLK_TEST_SEED to replay one.
+  """
+  seed = int(os.environ.get("RLK_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+  print(f"[{request.node.name}] RLK_TEST_SEED={seed}")
+  return np.random.default_rng(seed)
+
+
+# Both implementations run everywhere: on the CPU the Pallas kernel runs in
+# the interpreter, on a GPU through the Triton lowering.
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def impl(request):
+  return request.param
+
+
+def bits(a) -> np.ndarray:
+  """The bit pattern of an array, for atol = rtol = 0 comparison (NaN-safe)."""
+  a = np.asarray(a)
+  if a.dtype == np.bool_:
+    return a.view(np.uint8)
+  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bitwise_equal(actual, expected, msg=""):
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.shape == expected.shape, f"{msg} shape {actual.shape} != {expected.shape}"
+  assert actual.dtype == expected.dtype, f"{msg} dtype {actual.dtype} != {expected.dtype}"
+  diff = bits(actual) != bits(expected)
+  assert not diff.any(), f"{msg} {int(diff.sum())} of {diff.size} elements differ"
+
+
+def random_array(rng, shape, dtype):
+  """Random values in `dtype`, never all zeros; ints span a wide range."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bool_:
+    return jnp.asarray(rng.random(shape) < 0.5)
+  if jnp.issubdtype(dtype, jnp.integer):
+    info = jnp.iinfo(dtype)
+    lo, hi = max(int(info.min), -(2**31)), min(int(info.max), 2**31 - 1)
+    return jnp.asarray(rng.integers(lo, hi, size=shape, endpoint=True).astype(dtype))
+  return jnp.asarray((rng.standard_normal(shape) * 3).astype(np.float32)).astype(dtype)
+
+
+def random_mask(rng, shape, density, kind="bool"):
+  active = rng.random(shape) < density
+  if kind == "bool":
+    return active
+  if kind == "int8":  # nonzero values other than 1 must count as active
+    return np.where(active, 2, 0).astype(np.int8)
+  if kind == "float":
+    return np.where(active, rng.uniform(0.1, 5.0, shape), 0.0).astype(np.float32)
+  raise ValueError(kind)
