@@ -113,6 +113,10 @@ def run(smoke: bool) -> list[Row]:
             _pack_from_mask, capacity=capacity, implementation=impl)),
             [(x, mask) for x in xs])
       _, info = rlk_jax.pack(xs[0], mask, capacity=capacity)
+      ms = harness.time_jax(jax.jit(functools.partial(
+          rlk_jax.pack_info, capacity=capacity)), [(mask,)])
+      rows.append(Row(BENCH, case, "rlk_pack_info_only", ms,
+                      note="metadata from the mask alone"))
       add(f"rlk_{rlk_jax.selected_implementation('pack')}_reuse_info",
           jax.jit(_pack_with_info), [(x, info) for x in xs])
       add("xla_nonzero_take", jax.jit(functools.partial(

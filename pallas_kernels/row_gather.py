@@ -59,20 +59,22 @@ def _gather_rows_kernel(idx_ref, src_ref, out_ref, *, n_out, width, fill,
   cols = c0 + jnp.arange(block_cols, dtype=jnp.int32)
   row_in = rows < n_out
   col_in = cols < width
-  idx = pltriton.load(idx_ref.at[pl.ds(r0, block_rows)], mask=row_in, other=-1)
+  idx = pltriton.load(idx_ref.at[pl.ds(r0, block_rows)], mask=row_in,
+                      other=jnp.array(-1, idx_ref.dtype))
   take = idx >= 0
-  # Clamped indices keep every address in bounds even where the mask is off
-  # (the interpreter evaluates masked-off lanes too).
+  # Masked-off lanes are never dereferenced on the GPU; the interpreter
+  # evaluates them, so pad rows read row 0 there. Columns stay unclamped: a
+  # plain `c0 + arange` keeps Triton's contiguity analysis, which is what
+  # gives 16-byte vector loads.
   src_rows = jnp.where(take, idx, 0)
-  src_cols = jnp.minimum(cols, width - 1)
   values = pltriton.load(
-      src_ref.at[src_rows[:, None], src_cols[None, :]],
+      src_ref.at[src_rows[:, None], cols[None, :]],
       mask=take[:, None] & col_in[None, :],
-      other=fill,
+      other=jnp.array(fill, src_ref.dtype),
   )
   pltriton.store(
       out_ref.at[pl.ds(r0, block_rows), pl.ds(c0, block_cols)],
-      values.astype(out_ref.dtype),
+      values,
       mask=row_in[:, None] & col_in[None, :],
   )
 
