@@ -125,14 +125,20 @@ def _pack_info(mask: jax.Array, capacity: int) -> PackInfo:
   packed_row = inclusive - 1
   kept = active & (packed_row < capacity)
   scatter_flat = jnp.where(kept, packed_row, -1)
-  # Dropped/inactive positions aim out of range and are discarded.
-  gather_map = jnp.full((capacity,), -1, jnp.int32).at[
-      jnp.where(kept, packed_row, capacity)].set(
-          jnp.arange(size, dtype=jnp.int32), mode="drop")
 
   rows = jnp.arange(capacity, dtype=jnp.int32)
   valid = rows < jnp.minimum(total, capacity)
-  segment_ids = jnp.where(valid, gather_map // max(seq_width, 1), -1)
+  # Packed row r holds the (r+1)-th active position: the first p with
+  # inclusive[p] >= r + 1. An unrolled binary search is elementwise over the
+  # packed rows, so XLA fuses it with the fields below into one kernel (a
+  # scatter would be a separate, serialised one).
+  if size:
+    found = jnp.searchsorted(inclusive, rows + 1, side="left",
+                             method="scan_unrolled").astype(jnp.int32)
+  else:
+    found = jnp.zeros((capacity,), jnp.int32)
+  gather_map = jnp.where(valid, found, -1)
+  segment_ids = jnp.where(valid, found // max(seq_width, 1), -1)
   positions = jnp.where(
       valid, rows - cu_seqlens[jnp.clip(segment_ids, 0, max(n_seq - 1, 0))], 0)
   return PackInfo(
