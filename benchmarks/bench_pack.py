@@ -106,19 +106,18 @@ def run(smoke: bool) -> list[Row]:
       floor_ms = pack_bytes / bw_gbps / 1e6
 
       def add(impl, fn, args, nbytes=pack_bytes, floor=floor_ms, note=""):
-        ms = harness.time_jax(fn, args)
-        rows.append(Row(BENCH, case, impl, ms, nbytes and nbytes / ms / 1e6,
-                        floor, note=note))
+        rows.append(harness.timed_row(BENCH, case, impl, fn, args,
+                                      nbytes=nbytes, floor_ms=floor, note=note))
 
       for impl in ("pallas", "xla"):
         if rlk_jax.implementations("pack")[impl] is None:
           add(f"rlk_{impl}", functools.partial(
               _pack_from_mask, capacity=capacity, implementation=impl),
               list(zip(xs, masks)))
-      add("rlk_pack_info_only", functools.partial(rlk_jax.pack_info,
-                                                  capacity=capacity),
-          [(m,) for m in masks], nbytes=None, floor=None,
-          note="the metadata alone")
+          add(f"rlk_{impl}_pack_info_only", functools.partial(
+              rlk_jax.pack_info, capacity=capacity, implementation=impl),
+              [(m,) for m in masks], nbytes=None, floor=None,
+              note="the metadata alone")
       infos = [rlk_jax.pack_info(m, capacity=capacity) for m in masks]
       add(f"rlk_{rlk_jax.selected_implementation('pack')}_reuse_info",
           _pack_with_info, list(zip(xs, infos)))
@@ -172,9 +171,10 @@ def _sweep(case, xs, infos, nbytes, floor_ms) -> list[Row]:
     config = row_gather.GatherConfig(block_rows, block_cols, warps)
     fn = lambda x, idx, c=config: row_gather.gather_rows(
         x.reshape(-1, h), idx, 0, config=c, interpret=not harness.on_gpu())
-    ms = harness.time_jax(fn, [(x, info.gather_map) for x, info in zip(xs, infos)])
-    rows.append(Row(BENCH, case, f"sweep_R{block_rows}_C{block_cols}_W{warps}",
-                    ms, nbytes / ms / 1e6, floor_ms))
+    rows.append(harness.timed_row(
+        BENCH, case, f"sweep_R{block_rows}_C{block_cols}_W{warps}", fn,
+        [(x, info.gather_map) for x, info in zip(xs, infos)], nbytes=nbytes,
+        floor_ms=floor_ms))
   return rows
 
 

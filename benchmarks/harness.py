@@ -111,6 +111,19 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
   return time_batches(batch, iters=iters, repeats=repeats) / len(arg_sets)
 
 
+def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
+              floor_ms=None, note="") -> Row:
+  """Times `fn` into a Row; a competitor that fails is recorded as a row with
+  the error and no time, so one broken competitor does not hide the rest."""
+  try:
+    ms = time_jax(fn, arg_sets)
+  except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+    return Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}: "
+               f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+  return Row(benchmark, case, implementation, ms,
+             nbytes / ms / 1e6 if nbytes else None, floor_ms, note=note)
+
+
 def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
                repeats: int | None = None) -> float:
   import torch
