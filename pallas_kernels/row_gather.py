@@ -10,6 +10,10 @@ Lowered through Pallas' Triton backend on GPUs: a pure data-movement kernel
 needs masked vector loads/stores with per-row addresses, which the Triton
 lowering expresses directly (no TMA descriptors per gathered row). The same
 body runs under ``interpret=True`` on the CPU.
+
+JAX deprecated the Pallas Triton backend in 0.11 (it warns, still works on
+0.11.2). Measured on the H100 this kernel moves rows at 1.06-1.2x the copy
+byte floor, so a port to Mosaic GPU is about longevity, not speed.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import pack_metadata, row_gather
+from pallas_kernels import row_gather
 from rlk_jax import _dispatch, _validate, reference
 
 
@@ -76,13 +76,13 @@ class PackInfo:
   capacity: int
 
 
-def pack_info(mask, *, capacity: int | None = None,
-              implementation: str | None = None) -> PackInfo:
+def pack_info(mask, *, capacity: int | None = None) -> PackInfo:
   """Computes the :class:`PackInfo` of `mask`, on the device, with no host sync.
 
-  ``implementation`` as for :func:`pack`: ``"pallas"`` computes every field in
-  one kernel launch (masks up to ``2**20`` positions; larger ones use the XLA
-  formulation, which gives the same integers), ``"xla"`` with jax.numpy.
+  Plain XLA ops, fused by XLA into a few small kernels: one prefix sum (CUB on
+  GPUs) and one elementwise pass over the packed rows. (A single-program
+  Pallas kernel writing every field was measured slower on the H100: see
+  benchmarks/results/h100-2026-11-21-experiments.)
 
   Called eagerly with a concrete mask and ``capacity < mask.size``, it raises
   ``ValueError`` when the active rows do not fit. Under ``jit`` the overflow
@@ -107,28 +107,11 @@ def pack_info(mask, *, capacity: int | None = None,
           f"rlk_jax.pack: the mask (shape {mask_shape}) has {active} active "
           f"rows but capacity is {capacity}; raise capacity to at least "
           f"{active}. Nothing is dropped silently.")
-  impl = TABLE.select(implementation).name
-  return _pack_info(jnp.asarray(mask), capacity, impl)
+  return _pack_info(jnp.asarray(mask), capacity)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _pack_info(mask: jax.Array, capacity: int, impl: str) -> PackInfo:
-  size = mask.size
-  if impl == "pallas" and 0 < size <= pack_metadata.MAX_POSITIONS and capacity:
-    (scatter, gather_map, segment_ids, positions, valid, cu_seqlens, seq_lens,
-     stats) = pack_metadata.pack_metadata(
-         mask.reshape(-1), n_seq=mask.shape[0], capacity=capacity,
-         interpret=_dispatch.current_platform() == "cpu")
-    return PackInfo(
-        cu_seqlens=cu_seqlens, seq_lens=seq_lens, total=stats[0],
-        max_seqlen=stats[1], num_dropped=stats[2], segment_ids=segment_ids,
-        positions=positions, valid=valid, gather_map=gather_map,
-        scatter_map=scatter.reshape(mask.shape),
-        mask_shape=tuple(mask.shape), capacity=capacity)
-  return _pack_info_xla(mask, capacity)
-
-
-def _pack_info_xla(mask: jax.Array, capacity: int) -> PackInfo:
+@functools.partial(jax.jit, static_argnums=1)
+def _pack_info(mask: jax.Array, capacity: int) -> PackInfo:
   mask_shape = mask.shape
   n_seq, size = mask_shape[0], mask.size
   seq_width = size // n_seq if n_seq else 0
@@ -279,8 +262,7 @@ def pack(x, mask_or_info, *, capacity: int | None = None, fill_value=0,
       raise ValueError(f"rlk_jax.pack: capacity={capacity} disagrees with the "
                        f"given PackInfo's capacity {info.capacity}.")
   else:
-    info = pack_info(mask_or_info, capacity=capacity,
-                     implementation=implementation)
+    info = pack_info(mask_or_info, capacity=capacity)
   x = _as_array(x)
   dtype = _validate.check_packable_dtype("pack", "x", x.dtype)
   _check_prefix("pack", x.shape, info.mask_shape)
