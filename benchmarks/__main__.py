@@ -17,13 +17,15 @@ import time
 
 from absl import app, flags
 
-from benchmarks import bench_pack, harness
+from benchmarks import bench_det_gemm, bench_pack, harness
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
                           "for smoke runs).")
 
-BENCHMARKS = {"pack": bench_pack}
+ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
+
+BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm}
 
 
 def _default_out(smoke: bool) -> str:
@@ -42,15 +44,16 @@ def main(argv):
   if os.path.exists(csv_path):
     os.remove(csv_path)
   sections = []
-  for i, (name, module) in enumerate(BENCHMARKS.items(), 1):
-    print(f"[{i}/{len(BENCHMARKS)}] {name} ({'smoke' if smoke else 'full'}) ...",
+  chosen = {n: m for n, m in BENCHMARKS.items() if not ONLY.value or n in ONLY.value}
+  for i, (name, module) in enumerate(chosen.items(), 1):
+    print(f"[{i}/{len(chosen)}] {name} ({'smoke' if smoke else 'full'}) ...",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
     rows = module.run(smoke)
     harness.write_csv(rows, csv_path)
     table = harness.format_table(rows)
     sections.append(f"## {name}\n\n{table}\n")
-    print(f"[{i}/{len(BENCHMARKS)}] {name} done in "
+    print(f"[{i}/{len(chosen)}] {name} done in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
   header = (f"# rlk benchmark report\n\ndevice: {harness.device_name()}  \n"
             f"commit: {harness.commit()}  \ndate: {datetime.date.today()}  \n"

@@ -16,6 +16,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -28,8 +29,8 @@ CSV = flags.DEFINE_string("csv", None, "Append result rows to this CSV file.")
 REPEATS = flags.DEFINE_integer("repeats", 15, "Timed batches per case (median).")
 
 COLUMNS = ("date", "commit", "device", "benchmark", "case", "implementation",
-           "median_ms", "gbps", "floor_ms", "ratio_to_floor", "peak_mem_mb",
-           "note")
+           "median_ms", "gbps", "tflops", "floor_ms", "ratio_to_floor",
+           "peak_mem_mb", "note")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class Row:
   floor_ms: float | None = None
   peak_mem_mb: float | None = None
   note: str = ""
+  tflops: float | None = None
 
   @property
   def ratio_to_floor(self) -> float | None:
@@ -112,16 +114,22 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
 
 
 def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
-              floor_ms=None, note="") -> Row:
+              flops=None, floor_ms=None, note="") -> Row:
   """Times `fn` into a Row; a competitor that fails is recorded as a row with
   the error and no time, so one broken competitor does not hide the rest."""
   try:
     ms = time_jax(fn, arg_sets)
   except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
-    return Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}: "
-               f"{str(e).splitlines()[0][:120] if str(e) else ''}")
-  return Row(benchmark, case, implementation, ms,
-             nbytes / ms / 1e6 if nbytes else None, floor_ms, note=note)
+    row = Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+  else:
+    row = Row(benchmark, case, implementation, ms,
+              nbytes / ms / 1e6 if nbytes else None, floor_ms, note=note,
+              tflops=flops / ms / 1e9 if flops else None)
+  # Progress, and a record if a time limit stops the run before the report.
+  print(f"  {case} | {implementation} | {row.median_ms} ms | "
+        f"{row.tflops or row.gbps or ''} | {row.note}", file=sys.stderr, flush=True)
+  return row
 
 
 def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
@@ -161,11 +169,11 @@ def _fmt(v):
 
 
 def format_table(rows: Sequence[Row]) -> str:
-  headers = ("benchmark", "case", "implementation", "ms", "GB/s", "x floor",
-             "peak MB", "note")
+  headers = ("benchmark", "case", "implementation", "ms", "GB/s", "TFLOP/s",
+             "x floor", "peak MB", "note")
   body = [(r.benchmark, r.case, r.implementation, _num(r.median_ms, 4),
-           _num(r.gbps, 1), _num(r.ratio_to_floor, 2), _num(r.peak_mem_mb, 1),
-           r.note) for r in rows]
+           _num(r.gbps, 1), _num(r.tflops, 1), _num(r.ratio_to_floor, 2),
+           _num(r.peak_mem_mb, 1), r.note) for r in rows]
   widths = [max(len(str(c)) for c in col) for col in zip(headers, *body)]
   line = lambda cells: "| " + " | ".join(
       str(c).ljust(w) for c, w in zip(cells, widths)) + " |"

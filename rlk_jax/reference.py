@@ -17,3 +17,28 @@ def gather_rows(src: jax.Array, idx: jax.Array, fill) -> jax.Array:
     return jnp.full((n_out, width), fill, src.dtype)
   rows = jnp.take(src, jnp.clip(idx, 0, n_src - 1), axis=0)
   return jnp.where((idx >= 0)[:, None], rows, jnp.asarray(fill, src.dtype))
+
+
+def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
+               transpose_b: bool = False, out_dtype=None) -> jax.Array:
+  """``op(a) @ op(b)`` as an explicit loop over K of f32 multiply-adds.
+
+  The reduction order (k = 0, 1, ..., K-1, one rounding per add) is fixed by
+  construction and every element is computed on its own, so a row's bits
+  cannot depend on M or on the other rows, on any backend.
+  """
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  a = (a.T if transpose_a else a).astype(jnp.float32)
+  b = (b.T if transpose_b else b).astype(jnp.float32)
+  m, k = a.shape
+  n = b.shape[1]
+  if k == 0:  # the body is traced even for zero trips; an empty sum is +0.0
+    return jnp.zeros((m, n), out_dtype)
+
+  def step(i, acc):
+    column = jax.lax.dynamic_slice_in_dim(a, i, 1, axis=1)  # [M, 1]
+    row = jax.lax.dynamic_slice_in_dim(b, i, 1, axis=0)     # [1, N]
+    return acc + column * row
+
+  acc = jax.lax.fori_loop(0, k, step, jnp.zeros((m, n), jnp.float32))
+  return acc.astype(out_dtype)

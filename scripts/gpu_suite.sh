@@ -5,6 +5,9 @@
 #
 #   device run (carry .whl):  bash scripts/gpu_suite.sh [extra benchmark flags]
 #
+# Optional: RLK_PYTEST_ARGS (default "tests"), RLK_TEST_TIMEOUT and
+# RLK_BENCH_TIMEOUT (seconds; a phase past its limit is stopped and reported).
+#
 # The GPU image has jax, torch and triton but no package registry: pytest,
 # hypothesis and absl-py travel as wheels in .whl/ (see README).
 set -uo pipefail
@@ -27,12 +30,15 @@ export RLK_COMMIT="${RLK_COMMIT:-unknown}"
 } 2>&1 | tee "$OUT/env.log"
 
 start=$(date +%s)
-python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider \
-  --junitxml="$OUT/pytest.xml" "${RLK_PYTEST_ARGS:-tests}" > "$OUT/pytest.log" 2>&1
+# shellcheck disable=SC2086  # RLK_PYTEST_ARGS may name several paths
+timeout "${RLK_TEST_TIMEOUT:-0}" python3 -m pytest -q -m "gpu or not gpu" \
+  -p no:cacheprovider --junitxml="$OUT/pytest.xml" ${RLK_PYTEST_ARGS:-tests} \
+  > "$OUT/pytest.log" 2>&1
 test_rc=$?
 test_s=$(( $(date +%s) - start ))
 
-python3 -m benchmarks --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+timeout "${RLK_BENCH_TIMEOUT:-0}" python3 -m benchmarks --out "$OUT/bench" "$@" \
+  > "$OUT/bench.log" 2>&1
 bench_rc=$?
 cp "$OUT/bench/results.csv" "$OUT/results.csv" 2>/dev/null
 cp "$OUT/bench/report.md" "$OUT/report.md" 2>/dev/null

@@ -1,0 +1,110 @@
+"""det_gemm against cuBLAS and XLA's dot, forward and backward.
+
+    python -m benchmarks.bench_det_gemm [--smoke] [--csv out.csv]
+
+Competitors (stable names): ``cublas`` (torch.matmul, bf16, TF32 off),
+``xla_dot`` (``jnp.dot``, bf16 out), ``rlk_<impl>`` for each available rlk
+implementation; backward: ``xla_dot_vjp`` vs ``rlk_<impl>_vjp`` (dA and dB).
+The note gives each rlk figure as a fraction of cuBLAS's TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+
+import rlk_jax
+from benchmarks import harness
+from benchmarks.harness import Row
+
+BENCH = "det_gemm"
+
+
+def _cases(smoke: bool):
+  if smoke:
+    return ([("qkv", 128, 256, 384), ("down", 128, 512, 256)],
+            [("decode", m, 256, 256) for m in (1, 16)])
+  shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+            "down": (14336, 4096), "lm_head": (4096, 128256)}
+  big = [(name, 4096, k, n) for name, (k, n) in shapes.items()]
+  decode = [(f"decode_{k}x{n}", m, k, n) for k, n in ((4096, 4096), (4096, 14336))
+            for m in (1, 16, 64)]
+  return big, decode
+
+
+def _rlk_impls():
+  return [n for n, why in rlk_jax.implementations("det_gemm").items()
+          if why is None]
+
+
+def run(smoke: bool) -> list[Row]:
+  big, decode = _cases(smoke)
+  rows = []
+  torch = _torch()
+  for name, m, k, n in big + decode:
+    keys = jax.random.split(jax.random.key(m * 7 + k + n), 3)
+    a_sets = [jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
+              for kk in keys[:2]]
+    b = jax.random.normal(keys[2], (k, n), jnp.float32).astype(jnp.bfloat16)
+    flops = 2 * m * k * n
+    case = f"{name} M={m} K={k} N={n} bf16"
+    peer = None
+    if torch is not None and harness.on_gpu():
+      torch.backends.cuda.matmul.allow_tf32 = False
+      tb = torch.from_dlpack(b)
+      ms = harness.time_torch(lambda ta: torch.matmul(ta, tb),
+                              [(torch.from_dlpack(a),) for a in a_sets])
+      peer = flops / ms / 1e9
+      rows.append(Row(BENCH, case, "cublas", ms, tflops=peer))
+    rows.append(harness.timed_row(
+        BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b),
+        [(a, b) for a in a_sets], flops=flops))
+    for impl in _rlk_impls():
+      if impl == "xla" and not smoke:
+        continue  # the K-loop oracle: minutes per call at these sizes
+      row = harness.timed_row(
+          BENCH, case, f"rlk_{impl}",
+          functools.partial(rlk_jax.det_gemm, implementation=impl),
+          [(a, b) for a in a_sets], flops=flops)
+      if peer and row.tflops:
+        row.note = f"{row.tflops / peer:.2f}x cublas"
+      rows.append(row)
+    if (name, m, k, n) in big:
+      g_sets = [a @ b for a in a_sets]  # cotangents shaped like the output
+      rows.append(harness.timed_row(
+          BENCH, case + " bwd", "xla_dot_vjp",
+          lambda a, b, g: jax.vjp(jnp.dot, a, b)[1](g),
+          [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
+      for impl in _rlk_impls():
+        if impl == "xla" and not smoke:
+          continue
+        rows.append(harness.timed_row(
+            BENCH, case + " bwd", f"rlk_{impl}_vjp",
+            lambda a, b, g, impl=impl: jax.vjp(functools.partial(
+                rlk_jax.det_gemm, implementation=impl), a, b)[1](g),
+            [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
+  return rows
+
+
+def _torch():
+  try:
+    import torch
+  except ImportError:
+    return None
+  return torch
+
+
+def main(argv):
+  del argv
+  rows = run(harness.smoke_mode())
+  print(harness.format_table(rows))
+  if harness.CSV.value:
+    harness.write_csv(rows, harness.CSV.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,139 @@
+"""det_gemm: a batch-invariant, deterministic GEMM with a deterministic VJP.
+
+``c = det_gemm(a, b)``: ``a [..., K] @ b [K, N] -> [..., N]``, f32 accumulation.
+Every output row depends only on its input row and ``b``, bit for bit, per
+implementation and device: the same whatever M, whatever rows surround it,
+whatever leading shape, on every run. (Bits are not promised across GPU
+architectures, nor across implementations beyond what the device tests
+prove.)
+
+Every product, forward and backward, is one primitive,
+``op(A) @ op(B)`` with either operand optionally stored transposed, so the
+gradients read the forward operands in place:
+
+* ``da = g @ b^T``: again row-invariant (row i of da needs row i of g only);
+* ``db = a^T @ g``: a reduction over rows in a fixed blocked order, so it is
+  deterministic and unchanged by appended zero rows (padding).
+
+The backward runs in the operand dtype: the cotangent is cast to ``a.dtype``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import det_matmul
+from rlk_jax import _dispatch, reference
+
+GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+def _pallas_probe(platform: str) -> str | None:
+  if det_matmul.TRITON_IMPORT_ERROR:
+    return det_matmul.TRITON_IMPORT_ERROR
+  if platform in ("gpu", "cpu"):  # cpu: the same kernel, interpreted
+    return None
+  return f"the Triton lowering does not target {platform!r}"
+
+
+def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  return det_matmul.matmul(
+      a, b, transpose_a=transpose_a, transpose_b=transpose_b,
+      out_dtype=out_dtype, interpret=_dispatch.current_platform() == "cpu")
+
+
+TABLE = _dispatch.register(_dispatch.OpTable(
+    op="det_gemm",
+    implementations={
+        "xla": _dispatch.Implementation(
+            "xla", reference.det_matmul, lambda platform: None,
+            "explicit K loop of f32 multiply-adds: the oracle, the CPU default"),
+        "pallas": _dispatch.Implementation(
+            "pallas", _pallas_matmul, _pallas_probe,
+            "tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering on "
+            "GPUs, the Pallas interpreter on CPUs)"),
+    },
+    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
+))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _matmul(impl, transpose_a, transpose_b, out_dtype, a, b):
+  return TABLE.implementations[impl].fn(a, b, transpose_a, transpose_b, out_dtype)
+
+
+def _matmul_fwd(impl, transpose_a, transpose_b, out_dtype, a, b):
+  return _matmul(impl, transpose_a, transpose_b, out_dtype, a, b), (a, b)
+
+
+def _matmul_bwd(impl, transpose_a, transpose_b, out_dtype, residuals, g):
+  # C = op_ta(A) op_tb(B), so d op_ta(A) = G op_tb(B)^T and
+  # d op_tb(B) = op_ta(A)^T G; transposing back where an operand is stored
+  # transposed gives four products of the same primitive.
+  a, b = residuals
+  g = g.astype(a.dtype)
+  if transpose_a:
+    da = _matmul(impl, transpose_b, True, a.dtype, b, g)
+  else:
+    da = _matmul(impl, False, not transpose_b, a.dtype, g, b)
+  if transpose_b:
+    db = _matmul(impl, True, transpose_a, b.dtype, g, a)
+  else:
+    db = _matmul(impl, not transpose_a, False, b.dtype, a, g)
+  return da, db
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None
+             ) -> jax.Array:
+  """Batch-invariant ``a [..., K] @ b [K, N]`` with f32 accumulation.
+
+  Args:
+    a: ``[..., K]``, bfloat16, float16 or float32 (f32 without TF32).
+    b: ``[K, N]``, the same dtype as ``a``.
+    out_dtype: dtype of the result (bfloat16, float16 or float32); default
+      ``a.dtype``.
+    implementation: None (best available here, see
+      ``rlk_jax.selected_implementation("det_gemm")``), ``"pallas"`` or
+      ``"xla"``. Pin one name in both rollout and training to get the same
+      bits in both.
+  """
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  _check(a, b)
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if out_dtype not in GEMM_DTYPES:
+    raise TypeError(f"rlk_jax.det_gemm: out_dtype {out_dtype} is not supported;"
+                    f" use one of {', '.join(map(str, GEMM_DTYPES))}.")
+  impl = TABLE.select(implementation).name
+  k, n = b.shape
+  lead = a.shape[:-1]
+  c = _matmul(impl, False, False, out_dtype, a.reshape(math.prod(lead), k), b)
+  return c.reshape(*lead, n)
+
+
+def _check(a, b):
+  if b.ndim != 2:
+    raise ValueError(f"rlk_jax.det_gemm: b must be rank 2 [K, N], got shape "
+                     f"{b.shape} (a has shape {a.shape}).")
+  if a.ndim < 1:
+    raise ValueError(f"rlk_jax.det_gemm: a must have rank >= 1 [..., K], got "
+                     f"a scalar (b has shape {b.shape}).")
+  if a.shape[-1] != b.shape[0]:
+    raise ValueError(f"rlk_jax.det_gemm: inner dimensions differ: a has shape "
+                     f"{a.shape} (K={a.shape[-1]}) and b has shape {b.shape} "
+                     f"(K={b.shape[0]}).")
+  for name, x in (("a", a), ("b", b)):
+    if x.dtype not in GEMM_DTYPES:
+      raise TypeError(f"rlk_jax.det_gemm: {name} has unsupported dtype "
+                      f"{x.dtype}; supported: "
+                      f"{', '.join(map(str, GEMM_DTYPES))}.")
+  if a.dtype != b.dtype:
+    raise TypeError(f"rlk_jax.det_gemm: a and b must have the same dtype, got "
+                    f"{a.dtype} (shape {a.shape}) and {b.dtype} "
+                    f"(shape {b.shape}).")

@@ -1,0 +1,182 @@
+"""rlk_jax.det_gemm: bitwise batch invariance, accuracy, gradients, errors.
+
+Runs every implementation; on the CPU the Pallas kernel is interpreted, on a
+GPU it goes through the Triton lowering.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import assert_bitwise_equal, random_array
+
+# Power-of-two and ragged K; N not a multiple of the 128-wide tile.
+KS = (64, 512, 1000, 1024)
+N = 200
+M_FULL = 256
+
+
+def relative_error(actual, expected):
+  actual = np.asarray(actual, np.float64)
+  return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_rows_do_not_depend_on_the_batch(impl, k, rng):
+  a = random_array(rng, (M_FULL, k), jnp.bfloat16)
+  b = random_array(rng, (k, N), jnp.bfloat16)
+  full = rlk_jax.det_gemm(a, b, implementation=impl)
+  for m in (1, 2, 3, 7, 64, 129):
+    start = int(rng.integers(0, M_FULL - m + 1))
+    part = rlk_jax.det_gemm(a[start:start + m], b, implementation=impl)
+    assert_bitwise_equal(part, full[start:start + m], f"M={m} at row {start}")
+
+
+def test_chunked_equals_whole_and_padding_is_inert(impl, rng):
+  k = 1000
+  a = random_array(rng, (M_FULL, k), jnp.bfloat16)
+  b = random_array(rng, (k, N), jnp.bfloat16)
+  whole = rlk_jax.det_gemm(a, b, implementation=impl)
+  # Chunked prefill: ragged chunks, computed one after another.
+  bounds = np.cumsum([0, 50, 1, 77, 128])
+  chunks = [rlk_jax.det_gemm(a[s:e], b, implementation=impl)
+            for s, e in zip(bounds[:-1], bounds[1:])]
+  assert_bitwise_equal(jnp.concatenate(chunks), whole)
+  # The same rows with zero rows and random rows around them.
+  zeros = jnp.zeros((37, k), a.dtype)
+  noise = random_array(rng, (91, k), jnp.bfloat16)
+  padded = jnp.concatenate([noise, a[:100], zeros, a[100:], noise[:5]])
+  out = rlk_jax.det_gemm(padded, b, implementation=impl)
+  assert_bitwise_equal(out[91:191], whole[:100])
+  assert_bitwise_equal(out[228:228 + 156], whole[100:])
+
+
+def test_leading_shapes_and_repeat_runs(impl, rng):
+  a = random_array(rng, (4, 64, 512), jnp.bfloat16)
+  b = random_array(rng, (512, N), jnp.bfloat16)
+  flat = rlk_jax.det_gemm(a.reshape(256, 512), b, implementation=impl)
+  out = rlk_jax.det_gemm(a, b, implementation=impl)
+  assert out.shape == (4, 64, N)
+  assert_bitwise_equal(out.reshape(256, N), flat)
+  out4 = rlk_jax.det_gemm(a.reshape(2, 2, 64, 512), b, implementation=impl)
+  assert_bitwise_equal(out4.reshape(256, N), flat)
+  again = jax.jit(lambda a, b: rlk_jax.det_gemm(a, b, implementation=impl))(a, b)
+  assert_bitwise_equal(again, out)
+  assert_bitwise_equal(rlk_jax.det_gemm(a, b, implementation=impl), out)
+
+
+@pytest.mark.parametrize("dtype,out_dtype,tol", [
+    (jnp.bfloat16, jnp.bfloat16, 1e-2),
+    (jnp.float16, jnp.float16, 2e-3),
+    (jnp.bfloat16, jnp.float32, 1e-5),
+    (jnp.float32, jnp.float32, 1e-5),  # TF32 would land near 3e-4
+])
+def test_accuracy_against_float64(impl, dtype, out_dtype, tol, rng):
+  a = random_array(rng, (130, 1000), dtype)
+  b = random_array(rng, (1000, 257), dtype)
+  c = rlk_jax.det_gemm(a, b, out_dtype=out_dtype, implementation=impl)
+  assert c.dtype == jnp.dtype(out_dtype) and c.shape == (130, 257)
+  # Reference on the (already rounded) operands, in float64: what remains is
+  # f32 accumulation and the final rounding to out_dtype.
+  err = relative_error(c, f64(a) @ f64(b))
+  assert err < tol, err
+  if jnp.dtype(out_dtype) == jnp.bfloat16:
+    assert err > 1e-4  # really rounded to bf16, not silently f32
+
+
+def test_gradients_against_float64(impl, rng):
+  a = random_array(rng, (70, 300), jnp.float32)
+  b = random_array(rng, (300, 150), jnp.float32)
+  g = random_array(rng, (70, 150), jnp.float32)
+  _, vjp = jax.vjp(lambda a, b: rlk_jax.det_gemm(a, b, implementation=impl), a, b)
+  da, db = vjp(g)
+  assert relative_error(da, f64(g) @ f64(b).T) < 1e-6
+  assert relative_error(db, f64(a).T @ f64(g)) < 1e-6
+
+
+def test_check_grads_second_order(impl, rng):
+  from jax.test_util import check_grads
+  a = random_array(rng, (9, 70), jnp.float32)
+  b = random_array(rng, (70, 11), jnp.float32)
+  f = lambda a, b: jnp.tanh(rlk_jax.det_gemm(a, b, implementation=impl))
+  check_grads(f, (a, b), order=2, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+def test_weight_gradient_is_deterministic_and_padding_inert(impl, rng):
+  a = random_array(rng, (203, 96), jnp.bfloat16)
+  b = random_array(rng, (96, 130), jnp.bfloat16)
+  g = random_array(rng, (203, 130), jnp.bfloat16)
+
+  def grads(a, g):
+    _, vjp = jax.vjp(lambda a, b: rlk_jax.det_gemm(a, b, implementation=impl), a, b)
+    return vjp(g)
+
+  da, db = grads(a, g)
+  da2, db2 = grads(a, g)
+  assert_bitwise_equal(db2, db)
+  assert_bitwise_equal(da2, da)
+  # Zero rows appended to a and g (padding tokens) leave db's bits alone,
+  # also when they spill into new row blocks.
+  for extra in (1, 61, 200):
+    a_pad = jnp.concatenate([a, jnp.zeros((extra, 96), a.dtype)])
+    g_pad = jnp.concatenate([g, jnp.zeros((extra, 130), g.dtype)])
+    da_pad, db_pad = grads(a_pad, g_pad)
+    assert_bitwise_equal(db_pad, db, f"{extra} zero rows")
+    assert_bitwise_equal(da_pad[:203], da, f"{extra} zero rows")
+  # da is row-invariant like the forward.
+  da_part, _ = grads(a[50:53], g[50:53])
+  assert_bitwise_equal(da_part, da[50:53])
+
+
+def test_vmap_and_remat(impl, rng):
+  a = random_array(rng, (3, 40, 128), jnp.bfloat16)
+  b = random_array(rng, (128, 72), jnp.bfloat16)
+  f = lambda a: rlk_jax.det_gemm(a, b, implementation=impl)
+  batched = jax.vmap(f)(a)
+  for i in range(3):
+    assert_bitwise_equal(batched[i], f(a[i]))
+  loss = lambda a, b: jnp.sum(rlk_jax.det_gemm(a, b, implementation=impl)
+                              .astype(jnp.float32) ** 2)
+  plain = jax.grad(loss, argnums=(0, 1))(a, b)
+  remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(a, b)
+  for x, y in zip(plain, remat):
+    assert_bitwise_equal(x, y)
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 64, 30), (5, 0, 30), (5, 64, 0), (1, 1, 1)])
+def test_degenerate_shapes(impl, m, k, n, rng):
+  a = random_array(rng, (m, k), jnp.float32)
+  b = random_array(rng, (k, n), jnp.float32)
+  c = rlk_jax.det_gemm(a, b, implementation=impl)
+  assert c.shape == (m, n)
+  np.testing.assert_allclose(np.asarray(c), f64(a) @ f64(b), rtol=1e-6, atol=0)
+
+
+def test_bad_inputs():
+  a = jnp.ones((4, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"b must be rank 2.*\(8, 2, 3\)"):
+    rlk_jax.det_gemm(a, jnp.ones((8, 2, 3), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"a has shape \(4, 8\) \(K=8\) and b has shape \(9, 3\) \(K=9\)"):
+    rlk_jax.det_gemm(a, jnp.ones((9, 3), jnp.bfloat16))
+  with pytest.raises(ValueError, match="rank >= 1"):
+    rlk_jax.det_gemm(jnp.ones((), jnp.bfloat16), jnp.ones((1, 3), jnp.bfloat16))
+  with pytest.raises(TypeError, match="a has unsupported dtype int32"):
+    rlk_jax.det_gemm(a.astype(jnp.int32), jnp.ones((8, 3), jnp.int32))
+  with pytest.raises(TypeError, match=r"same dtype, got bfloat16 \(shape \(4, 8\)\) and float32"):
+    rlk_jax.det_gemm(a, jnp.ones((8, 3), jnp.float32))
+  with pytest.raises(TypeError, match="out_dtype int8"):
+    rlk_jax.det_gemm(a, jnp.ones((8, 3), jnp.bfloat16), out_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="unknown implementation 'cublas'"):
+    rlk_jax.det_gemm(a, jnp.ones((8, 3), jnp.bfloat16), implementation="cublas")
+
+
+def test_dispatch():
+  assert rlk_jax.selected_implementation("det_gemm", platform="cpu") == "xla"
+  assert rlk_jax.selected_implementation("det_gemm", platform="gpu") == "pallas"
+  assert rlk_jax.implementations("det_gemm", platform="tpu")["pallas"]

@@ -1,0 +1,61 @@
+"""det_gemm on a CUDA GPU at real sizes (run with `pytest -m gpu`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import ON_GPU, assert_bitwise_equal, random_array
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
+
+# (K, N) of the projections of a Llama-3-8B-like layer.
+PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+               "down": (14336, 4096), "lm_head": (4096, 128256)}
+
+
+@pytest.mark.parametrize("name", sorted(PROJECTIONS))
+def test_projection_rows_are_batch_invariant(name, rng):
+  k, n = PROJECTIONS[name]
+  a = random_array(rng, (4096, k), jnp.bfloat16)
+  b = random_array(rng, (k, n), jnp.bfloat16)
+  gemm = jax.jit(lambda a, b: rlk_jax.det_gemm(a, b, implementation="pallas"))
+  full = gemm(a, b)
+  for m in (1, 3, 16, 100):
+    start = int(rng.integers(0, 4096 - m + 1))
+    assert_bitwise_equal(gemm(a[start:start + m], b), full[start:start + m],
+                         f"{name} M={m} at row {start}")
+  assert_bitwise_equal(gemm(a, b), full, "repeat run")
+  # Accuracy of a sample of rows against f32 math on the rounded operands.
+  ref = jnp.dot(a[:64].astype(jnp.float32), b.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST)
+  err = float(jnp.linalg.norm(full[:64].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+  assert err < 1e-2, err
+
+
+def test_no_tf32_for_float32(rng):
+  a = random_array(rng, (512, 4096), jnp.float32)
+  b = random_array(rng, (4096, 512), jnp.float32)
+  c = rlk_jax.det_gemm(a, b)
+  ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  err = np.linalg.norm(np.asarray(c, np.float64) - ref) / np.linalg.norm(ref)
+  assert err < 1e-5, err  # TF32 lands near 3e-4
+
+
+def test_weight_gradient_padding_inert_at_size(rng):
+  a = random_array(rng, (3000, 4096), jnp.bfloat16)
+  b = random_array(rng, (4096, 1024), jnp.bfloat16)
+  g = random_array(rng, (3000, 1024), jnp.bfloat16)
+
+  @jax.jit
+  def grads(a, g):
+    return jax.vjp(rlk_jax.det_gemm, a, b)[1](g)
+
+  da, db = grads(a, g)
+  da_pad, db_pad = grads(jnp.concatenate([a, jnp.zeros((1096, 4096), a.dtype)]),
+                         jnp.concatenate([g, jnp.zeros((1096, 1024), g.dtype)]))
+  assert_bitwise_equal(db_pad, db)
+  assert_bitwise_equal(da_pad[:3000], da)
+  assert_bitwise_equal(grads(a, g)[1], db, "repeat run")
