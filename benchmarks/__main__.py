@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks import bench_det_gemm, bench_pack, harness
+from benchmarks import bench_det_gemm, bench_host, bench_pack, harness
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -25,7 +25,7 @@ OUT = flags.DEFINE_string("out", None, "Output folder (default: "
 
 ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 
-BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm}
+BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm, "host": bench_host}
 
 
 def _default_out(smoke: bool) -> str:

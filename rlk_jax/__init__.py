@@ -6,19 +6,34 @@
 
 Every op dispatches over an implementations table; see
 :func:`implementations` and :func:`selected_implementation`.
+
+Attributes load on first use, so ``rlk_jax.host`` (NumPy only) imports
+without JAX.
 """
 
-from rlk_jax._dispatch import implementations, selected_implementation
-from rlk_jax.det_gemm import det_gemm
-from rlk_jax.pack import PackInfo, check_no_overflow, pack, pack_info, unpack
+import importlib
 
-__all__ = [
-    "PackInfo",
-    "check_no_overflow",
-    "det_gemm",
-    "implementations",
-    "pack",
-    "pack_info",
-    "selected_implementation",
-    "unpack",
-]
+_EXPORTS = {
+    "PackInfo": "rlk_jax._pack",
+    "check_no_overflow": "rlk_jax._pack",
+    "pack": "rlk_jax._pack",
+    "pack_info": "rlk_jax._pack",
+    "unpack": "rlk_jax._pack",
+    "det_gemm": "rlk_jax._det_gemm",
+    "implementations": "rlk_jax._dispatch",
+    "selected_implementation": "rlk_jax._dispatch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'rlk_jax' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))

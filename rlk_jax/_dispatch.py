@@ -11,6 +11,7 @@ switch changes bits, which defeats the op.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -64,6 +65,8 @@ class OpTable:
 
 
 _TABLES: dict[str, OpTable] = {}
+# The module that registers each op's table, imported on first query.
+_OP_MODULES = {"pack": "rlk_jax._pack", "det_gemm": "rlk_jax._det_gemm"}
 
 
 def register(table: OpTable) -> OpTable:
@@ -91,6 +94,8 @@ def selected_implementation(op: str, implementation: str | None = None,
 
 
 def _table(op: str) -> OpTable:
+  if op not in _TABLES and op in _OP_MODULES:
+    importlib.import_module(_OP_MODULES[op])
   try:
     return _TABLES[op]
   except KeyError:

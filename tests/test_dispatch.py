@@ -4,7 +4,7 @@ import pytest
 
 import rlk_jax
 from rlk_jax import _dispatch
-from rlk_jax.pack import TABLE
+from rlk_jax._pack import TABLE
 
 
 def test_default_choice_is_queryable_and_deterministic():
