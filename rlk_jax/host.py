@@ -31,10 +31,10 @@ IGNORE_INDEX = -100
 # Input conversion
 
 
-def _to_numpy(x) -> np.ndarray:
+def _to_numpy(x, dtype=None) -> np.ndarray:
   if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
     x = x.detach().cpu().numpy()
-  return np.asarray(x)
+  return np.asarray(x, dtype)
 
 
 def _ragged(seqs, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -43,8 +43,11 @@ def _ragged(seqs, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
     raise TypeError(f"rlk_jax.host: {name} must be a list of sequences, got "
                     f"{type(seqs).__name__}.")
   arrays = []
+  # Values (masks, rewards, log-probs) convert straight to float32; ids keep
+  # their inferred dtype so that a float "id" is caught, not truncated.
+  dtype = None if kind == "ids" else np.float32
   for i, s in enumerate(seqs):
-    a = _to_numpy(s)
+    a = _to_numpy(s, dtype)
     if a.ndim != 1:
       raise ValueError(f"rlk_jax.host: {name}[{i}] must be 1-D, got shape "
                        f"{a.shape}.")
@@ -60,9 +63,6 @@ def _ragged(seqs, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
                       f"dtype {values.dtype}.")
     values = values.astype(np.int64)
     _check_ids(values, lengths, name)
-  elif values.dtype.kind not in "biuf":
-    raise TypeError(f"rlk_jax.host: {name} must be numeric, got dtype "
-                    f"{values.dtype}.")
   return values, lengths
 
 
