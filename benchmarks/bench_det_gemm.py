@@ -44,7 +44,7 @@ def _rlk_impls():
 def run(smoke: bool) -> list[Row]:
   big, decode = _cases(smoke)
   rows = []
-  torch = _torch()
+  torch = harness.torch_or_none()
   for name, m, k, n in big + decode:
     keys = jax.random.split(jax.random.key(m * 7 + k + n), 3)
     a_sets = [jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -90,21 +90,6 @@ def run(smoke: bool) -> list[Row]:
   return rows
 
 
-def _torch():
-  try:
-    import torch
-  except ImportError:
-    return None
-  return torch
-
-
-def main(argv):
-  del argv
-  rows = run(harness.smoke_mode())
-  print(harness.format_table(rows))
-  if harness.CSV.value:
-    harness.write_csv(rows, harness.CSV.value)
-
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(harness.bench_main(run))

@@ -94,13 +94,5 @@ def run(smoke: bool) -> list[Row]:
   return rows
 
 
-def main(argv):
-  del argv
-  rows = run(harness.smoke_mode())
-  print(harness.format_table(rows))
-  if harness.CSV.value:
-    harness.write_csv(rows, harness.CSV.value)
-
-
 if __name__ == "__main__":
-  app.run(main)
+  app.run(harness.bench_main(run))

@@ -52,7 +52,7 @@ def _copy_bandwidth(xs) -> tuple[float, list[Row]]:
   ms = harness.time_jax(copy, [(a,) for a in xs])
   rows.append(Row(BENCH, "copy", "xla_elementwise_copy", ms, nbytes / ms / 1e6))
   best = nbytes / ms / 1e6
-  torch = _torch()
+  torch = harness.torch_or_none()
   if torch is not None:
     t = _to_torch(torch, x)
     dst = torch.empty_like(t)
@@ -71,13 +71,6 @@ def _to_torch(torch, x):
       getattr(torch, jnp.dtype(x.dtype).name))
 
 
-def _torch():
-  try:
-    import torch
-  except ImportError:
-    return None
-  return torch
-
 
 def _row_bytes(shape, dtype):
   return shape["hidden"] * jnp.dtype(dtype).itemsize
@@ -92,7 +85,7 @@ def run(smoke: bool) -> list[Row]:
   xs = [jax.random.normal(k, (b, s, h), jnp.float32).astype(dtype) for k in keys]
   bw_gbps, rows = _copy_bandwidth(xs)
   row_bytes = h * jnp.dtype(dtype).itemsize
-  torch = _torch()
+  torch = harness.torch_or_none()
 
   for density in cfg["densities"]:
     active = int(round(density * b * s))
@@ -227,13 +220,5 @@ def _peak_mb(fn, *specs) -> float:
   return total / 2**20
 
 
-def main(argv):
-  del argv
-  rows = run(harness.smoke_mode())
-  print(harness.format_table(rows))
-  if harness.CSV.value:
-    harness.write_csv(rows, harness.CSV.value)
-
-
 if __name__ == "__main__":
-  app.run(main)
+  app.run(harness.bench_main(run))

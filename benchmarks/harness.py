@@ -183,3 +183,25 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def _num(v, digits):
   return "" if v is None else f"{v:.{digits}g}" if abs(v) < 1 else f"{v:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def torch_or_none():
+  """torch if it is installed (the peers' baselines), else None."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  return torch
+
+
+def bench_main(run: Callable[[bool], Sequence[Row]]) -> Callable:
+  """The absl main of a bench_<op>.py: run, print the table, append the CSV."""
+
+  def main(argv):
+    del argv
+    rows = run(smoke_mode())
+    print(format_table(rows))
+    if CSV.value:
+      write_csv(rows, CSV.value)
+
+  return main

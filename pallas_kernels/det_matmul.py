@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.row_gather import TRITON_IMPORT_ERROR, pltriton
+from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
-__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "matmul", "TRITON_IMPORT_ERROR"]
+__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "matmul"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
   if transpose_b), same dtype. Returns ``[M, N]`` in `out_dtype`.
   """
   if pltriton is None:
-    raise RuntimeError(TRITON_IMPORT_ERROR)
+    raise RuntimeError(IMPORT_ERROR)
   m, k = a.shape[::-1] if transpose_a else a.shape
   n = b.shape[0] if transpose_b else b.shape[1]
   out_dtype = jnp.dtype(out_dtype or a.dtype)

@@ -25,12 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # The Triton lowering is deprecated from JAX 0.11 on; probe, don't assume.
-  from jax.experimental.pallas import triton as pltriton
-  TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - depends on the installed jax
-  pltriton = None
-  TRITON_IMPORT_ERROR = f"jax.experimental.pallas.triton cannot be imported ({e})"
+from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +87,7 @@ def gather_rows(src: jax.Array, idx: jax.Array, fill, *,
   that contract. ``fill`` is a static Python scalar.
   """
   if pltriton is None:
-    raise RuntimeError(TRITON_IMPORT_ERROR)
+    raise RuntimeError(IMPORT_ERROR)
   n_out, = idx.shape
   n_src, width = src.shape
   if n_out == 0 or width == 0 or n_src == 0:

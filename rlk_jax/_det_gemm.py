@@ -26,18 +26,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import det_matmul
+from pallas_kernels import det_matmul, triton_backend
 from rlk_jax import _dispatch, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
-
-def _pallas_probe(platform: str) -> str | None:
-  if det_matmul.TRITON_IMPORT_ERROR:
-    return det_matmul.TRITON_IMPORT_ERROR
-  if platform in ("gpu", "cpu"):  # cpu: the same kernel, interpreted
-    return None
-  return f"the Triton lowering does not target {platform!r}"
 
 
 def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype):
@@ -53,7 +45,7 @@ TABLE = _dispatch.register(_dispatch.OpTable(
             "xla", reference.det_matmul, lambda platform: None,
             "explicit K loop of f32 multiply-adds: the oracle, the CPU default"),
         "pallas": _dispatch.Implementation(
-            "pallas", _pallas_matmul, _pallas_probe,
+            "pallas", _pallas_matmul, triton_backend.unavailable_reason,
             "tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering on "
             "GPUs, the Pallas interpreter on CPUs)"),
     },

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import row_gather
+from pallas_kernels import row_gather, triton_backend
 from rlk_jax import _dispatch, _validate, reference
 
 
@@ -178,16 +178,6 @@ def _raise_if_dropped(capacity, num_dropped, total):
 # The row gather and its implementations
 
 
-def _pallas_probe(platform: str) -> str | None:
-  if row_gather.TRITON_IMPORT_ERROR:
-    return row_gather.TRITON_IMPORT_ERROR
-  if platform in ("gpu", "cuda", "rocm"):
-    return None
-  if platform == "cpu":
-    return None  # Runs the same kernel body in the Pallas interpreter.
-  return f"the Triton lowering does not target {platform!r}"
-
-
 def _pallas_gather(src, idx, fill):
   interpret = _dispatch.current_platform() == "cpu"
   return row_gather.gather_rows(src, idx, fill, interpret=interpret)
@@ -200,7 +190,7 @@ TABLE = _dispatch.register(_dispatch.OpTable(
             "xla", reference.gather_rows, lambda platform: None,
             "plain jax.numpy take + where; the oracle and the CPU default"),
         "pallas": _dispatch.Implementation(
-            "pallas", _pallas_gather, _pallas_probe,
+            "pallas", _pallas_gather, triton_backend.unavailable_reason,
             "Pallas row-gather kernel (Triton lowering on GPUs, the Pallas "
             "interpreter on CPUs)"),
     },
