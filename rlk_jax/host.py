@@ -245,9 +245,9 @@ def plan_micro_batches(seq_lens, max_tokens: int, *, n_bins_multiple: int = 1,
   ``"tokens"`` (L) or ``"quadratic"`` (``a·L + L²``, attention's share grows
   with L; ``a`` = `linear_coefficient`, verl's 6·hidden). ``algorithm="ffd"``
   balances greedily (longest first, to the cheapest bin with room);
-  ``"kk"`` also tries Karmarkar–Karp differencing. The most balanced feasible
-  candidate wins, and an in-order greedy assignment is always a candidate, so
-  the result is never less balanced than that. Bins may be empty only when
+  ``"kk"`` also tries Karmarkar–Karp differencing at that bin count. The
+  most balanced feasible candidate wins, and an in-order greedy assignment is
+  always a candidate, so the result is never less balanced than that. Bins may be empty only when
   there are fewer samples than bins.
   """
   lens = _to_numpy(seq_lens)
@@ -287,17 +287,19 @@ def plan_micro_batches(seq_lens, max_tokens: int, *, n_bins_multiple: int = 1,
   lower_bound = max(1, -(-int(lens.sum()) // max_tokens))
   n_bins = -(-lower_bound // n_bins_multiple) * n_bins_multiple
   lens_list, costs_list = lens.tolist(), costs.tolist()
+  decreasing = _decreasing(costs).tolist()
   while True:
     candidates = [
         _greedy(range(len(lens)), lens_list, costs_list, n_bins, max_tokens),
-        _greedy(_decreasing(costs).tolist(), lens_list, costs_list, n_bins,
-                max_tokens)]
-    if algorithm == "kk":
-      candidates.append(_karmarkar_karp(lens, costs, n_bins, max_tokens))
+        _greedy(decreasing, lens_list, costs_list, n_bins, max_tokens)]
     feasible = [np.asarray(c) for c in candidates if c is not None]
     if feasible:
       break
     n_bins += n_bins_multiple
+  if algorithm == "kk":  # a balance refinement at the bin count found
+    kk = _karmarkar_karp(lens, costs, n_bins, max_tokens)
+    if kk is not None:
+      feasible.append(kk)
   bin_of = min(feasible, key=lambda b: _max_cost(b, costs, n_bins))
   return _plan_from_assignment(bin_of, lens, costs, n_bins)
 
