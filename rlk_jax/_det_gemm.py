@@ -82,13 +82,14 @@ def _matmul_bwd(impl, transpose_a, transpose_b, out_dtype, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None
-             ) -> jax.Array:
+def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
+             transpose_b: bool = False) -> jax.Array:
   """Batch-invariant ``a [..., K] @ b [K, N]`` with f32 accumulation.
 
   Args:
     a: ``[..., K]``, bfloat16, float16 or float32 (f32 without TF32).
-    b: ``[K, N]``, the same dtype as ``a``.
+    b: ``[K, N]``, the same dtype as ``a``; ``[N, K]`` with
+      ``transpose_b=True`` (the ``nn.Linear`` weight layout), read in place.
     out_dtype: dtype of the result (bfloat16, float16 or float32); default
       ``a.dtype``.
     implementation: None (best available here, see
@@ -97,29 +98,32 @@ def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None
       bits in both.
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
-  _check(a, b)
+  _check(a, b, transpose_b)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if out_dtype not in GEMM_DTYPES:
     raise TypeError(f"rlk_jax.det_gemm: out_dtype {out_dtype} is not supported;"
                     f" use one of {', '.join(map(str, GEMM_DTYPES))}.")
   impl = TABLE.select(implementation).name
-  k, n = b.shape
+  n, k = b.shape if transpose_b else b.shape[::-1]
   lead = a.shape[:-1]
-  c = _matmul(impl, False, False, out_dtype, a.reshape(math.prod(lead), k), b)
+  c = _matmul(impl, False, transpose_b, out_dtype,
+              a.reshape(math.prod(lead), k), b)
   return c.reshape(*lead, n)
 
 
-def _check(a, b):
+def _check(a, b, transpose_b=False):
   if b.ndim != 2:
     raise ValueError(f"rlk_jax.det_gemm: b must be rank 2 [K, N], got shape "
                      f"{b.shape} (a has shape {a.shape}).")
   if a.ndim < 1:
     raise ValueError(f"rlk_jax.det_gemm: a must have rank >= 1 [..., K], got "
                      f"a scalar (b has shape {b.shape}).")
-  if a.shape[-1] != b.shape[0]:
+  b_k = b.shape[1] if transpose_b else b.shape[0]
+  if a.shape[-1] != b_k:
+    layout = "[N, K] (transpose_b)" if transpose_b else "[K, N]"
     raise ValueError(f"rlk_jax.det_gemm: inner dimensions differ: a has shape "
                      f"{a.shape} (K={a.shape[-1]}) and b has shape {b.shape} "
-                     f"(K={b.shape[0]}).")
+                     f"(K={b_k}, b read as {layout}).")
   for name, x in (("a", a), ("b", b)):
     if x.dtype not in GEMM_DTYPES:
       raise TypeError(f"rlk_jax.det_gemm: {name} has unsupported dtype "

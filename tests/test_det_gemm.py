@@ -149,6 +149,29 @@ def test_vmap_and_remat(impl, rng):
     assert_bitwise_equal(x, y)
 
 
+def test_transposed_weight_layout(impl, rng):
+  a = random_array(rng, (70, 1000), jnp.bfloat16)
+  w = random_array(rng, (130, 1000), jnp.bfloat16)  # nn.Linear's [out, in]
+  c = rlk_jax.det_gemm(a, w, transpose_b=True, implementation=impl)
+  assert c.shape == (70, 130)
+  assert relative_error(c, f64(a) @ f64(w).T) < 1e-2
+  # The same bits as the [K, N] layout (same tiles, same K order), and row
+  # invariance holds in this layout too.
+  assert_bitwise_equal(rlk_jax.det_gemm(a, w.T, implementation=impl), c)
+  assert_bitwise_equal(rlk_jax.det_gemm(a[5:8], w, transpose_b=True,
+                                        implementation=impl), c[5:8])
+  _, vjp = jax.vjp(lambda a, w: rlk_jax.det_gemm(
+      a, w, transpose_b=True, out_dtype=jnp.float32, implementation=impl), a, w)
+  g = random_array(rng, (70, 130), jnp.float32)
+  da, dw = vjp(g)
+  assert dw.shape == w.shape and da.shape == a.shape
+  g_rounded = f64(g.astype(jnp.bfloat16))
+  assert relative_error(dw, g_rounded.T @ f64(a)) < 1e-2
+  assert relative_error(da, g_rounded @ f64(w)) < 1e-2
+  with pytest.raises(ValueError, match=r"K=1000.*\(K=130, b read as \[N, K\]"):
+    rlk_jax.det_gemm(a, w.T, transpose_b=True, implementation=impl)
+
+
 @pytest.mark.parametrize("m,k,n", [(0, 64, 30), (5, 0, 30), (5, 64, 0), (1, 1, 1)])
 def test_degenerate_shapes(impl, m, k, n, rng):
   a = random_array(rng, (m, k), jnp.float32)
@@ -162,7 +185,7 @@ def test_bad_inputs():
   a = jnp.ones((4, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"b must be rank 2.*\(8, 2, 3\)"):
     rlk_jax.det_gemm(a, jnp.ones((8, 2, 3), jnp.bfloat16))
-  with pytest.raises(ValueError, match=r"a has shape \(4, 8\) \(K=8\) and b has shape \(9, 3\) \(K=9\)"):
+  with pytest.raises(ValueError, match=r"a has shape \(4, 8\) \(K=8\) and b has shape \(9, 3\) \(K=9, b read as \[K, N\]\)"):
     rlk_jax.det_gemm(a, jnp.ones((9, 3), jnp.bfloat16))
   with pytest.raises(ValueError, match="rank >= 1"):
     rlk_jax.det_gemm(jnp.ones((), jnp.bfloat16), jnp.ones((1, 3), jnp.bfloat16))
