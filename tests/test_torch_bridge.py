@@ -1,0 +1,155 @@
+"""rlk_torch_bridge: the same bits as rlk_jax, torch autograd, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import rlk_jax
+import rlk_torch_bridge as rtb
+from conftest import assert_bitwise_equal
+
+
+def t2n(t):
+  """torch -> NumPy keeping the bits (bf16 via its uint16 view)."""
+  t = t.detach().cpu()
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.int16).numpy().view(jnp.bfloat16)
+  return t.numpy()
+
+
+def randn(rng, shape, dtype=torch.float32):
+  return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_det_gemm_same_bits_as_jax(dtype, rng):
+  a, b = randn(rng, (3, 37, 200), dtype), randn(rng, (200, 70), dtype)
+  c = rtb.det_gemm(a, b)
+  assert c.dtype == dtype and c.shape == (3, 37, 70)
+  expected = rlk_jax.det_gemm(jnp.asarray(t2n(a)), jnp.asarray(t2n(b)))
+  assert_bitwise_equal(t2n(c), np.asarray(expected))
+
+
+def test_det_gemm_gradients_same_bits_as_jax(rng):
+  a = randn(rng, (50, 96)).requires_grad_()
+  b = randn(rng, (96, 40)).requires_grad_()
+  g = randn(rng, (50, 40))
+  out = rtb.det_gemm(a, b)
+  with torch.no_grad():  # the inference path builds no VJP: same bits
+    assert torch.equal(rtb.det_gemm(a, b).view(torch.int32), out.view(torch.int32))
+  out.backward(g)
+  _, vjp = jax.vjp(rlk_jax.det_gemm, jnp.asarray(t2n(a)), jnp.asarray(t2n(b)))
+  da, db = vjp(jnp.asarray(t2n(g)))
+  assert_bitwise_equal(t2n(a.grad), np.asarray(da))
+  assert_bitwise_equal(t2n(b.grad), np.asarray(db))
+  # Against torch's own float64 math.
+  ref_da = g.double() @ b.detach().double().T
+  assert torch.linalg.norm(a.grad.double() - ref_da) / torch.linalg.norm(ref_da) < 1e-6
+
+
+def test_det_gemm_non_contiguous_and_out_dtype(rng):
+  a = randn(rng, (64, 30)).T           # [30, 64], a transposed view
+  b = randn(rng, (64, 16))
+  assert not a.is_contiguous()
+  c = rtb.det_gemm(a, b, out_dtype=torch.bfloat16)
+  assert c.dtype == torch.bfloat16
+  expected = rlk_jax.det_gemm(jnp.asarray(t2n(a.contiguous())), jnp.asarray(t2n(b)),
+                              out_dtype=jnp.bfloat16)
+  assert_bitwise_equal(t2n(c), np.asarray(expected))
+
+
+def test_det_gemm_errors_match_the_jax_op(rng):
+  a, b = randn(rng, (4, 8)), randn(rng, (9, 3))
+  with pytest.raises(ValueError, match=r"rlk_jax.det_gemm: inner dimensions differ"):
+    rtb.det_gemm(a, b)
+  with pytest.raises(TypeError, match="same dtype"):
+    rtb.det_gemm(a, randn(rng, (8, 3), torch.bfloat16))
+  with pytest.raises(TypeError, match="must be a torch.Tensor"):
+    rtb.det_gemm(np.ones((4, 8)), b)
+
+
+def test_det_linear_and_replace_linear(rng):
+  torch.manual_seed(int(rng.integers(2**31)))
+  model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(),
+                              torch.nn.Linear(48, 8, bias=False))
+  x = randn(rng, (5, 7, 32))
+  reference = model(x)
+  weights = [p for p in model.parameters()]
+  swapped = rtb.replace_linear(model)
+  assert isinstance(swapped[0], rtb.DetLinear) and isinstance(swapped[2], rtb.DetLinear)
+  assert [p for p in swapped.parameters()] == weights and all(
+      p is q for p, q in zip(swapped.parameters(), weights))  # same Parameters
+  out = swapped(x)
+  assert torch.allclose(out, reference, rtol=1e-5, atol=1e-5)
+  # Each row alone gives the same bits as inside the batch.
+  alone = swapped(x[2:3, 4:5])
+  assert torch.equal(alone.view(torch.int32), out[2:3, 4:5].view(torch.int32))
+  out.square().sum().backward()
+  assert all(p.grad is not None and torch.isfinite(p.grad).all()
+             for p in swapped.parameters())
+  fresh = rtb.DetLinear(16, 4)
+  assert fresh.weight.shape == (4, 16) and fresh(randn(rng, (3, 16))).shape == (3, 4)
+
+
+def test_pack_unpack_same_bits_and_gradients(rng):
+  mask = torch.from_numpy(rng.random((6, 40)) < 0.4)
+  x = randn(rng, (6, 40, 8)).requires_grad_()
+  capacity = int(mask.sum()) + 5
+  packed, info = rtb.pack(x, mask, capacity=capacity, fill_value=-1)
+  j_packed, j_info = rlk_jax.pack(jnp.asarray(t2n(x)), t2n(mask), capacity=capacity,
+                                  fill_value=-1)
+  assert_bitwise_equal(t2n(packed), np.asarray(j_packed))
+  for field in ("cu_seqlens", "segment_ids", "positions", "gather_map",
+                "scatter_map", "valid", "total", "num_dropped"):
+    assert_bitwise_equal(t2n(getattr(info, field)), np.asarray(getattr(j_info, field)))
+  dense = rtb.unpack(packed * 3, info)
+  expected = torch.where(mask[..., None], x.detach() * 3, torch.zeros(()))
+  assert torch.equal(dense, expected)
+  w = randn(rng, (6, 40, 8))
+  (dense * w).sum().backward()
+  # d(unpack(3 * pack(x))) = 3 w where active, 0 elsewhere.
+  assert torch.equal(x.grad, torch.where(mask[..., None], 3 * w, torch.zeros(())))
+
+
+def test_pack_reuses_info_and_keeps_int64_bits(rng):
+  mask = torch.from_numpy(rng.random((4, 30)) < 0.5)
+  hidden = randn(rng, (4, 30, 6), torch.bfloat16)
+  ids = torch.from_numpy(rng.integers(2**40, 2**41, (4, 30)))  # beyond int32
+  _, info = rtb.pack(hidden, mask)
+  packed_ids, info2 = rtb.pack(ids, info)
+  assert info2 is info and packed_ids.dtype == torch.int64
+  n = int(mask.sum())
+  assert torch.equal(packed_ids[:n], ids[mask])
+  assert torch.equal(packed_ids[n:], torch.zeros_like(packed_ids[n:]))
+  assert torch.equal(rtb.unpack(packed_ids, info), torch.where(mask, ids, 0))
+
+
+def test_pack_errors(rng):
+  x = randn(rng, (4, 5, 3))
+  with pytest.raises(ValueError, match=r"\(4, 6\) must be a prefix of x's shape \(4, 5, 3\)"):
+    rtb.pack(x, torch.ones(4, 6, dtype=torch.bool))
+  with pytest.raises(ValueError, match="active rows but capacity is 2"):
+    rtb.pack(x, torch.ones(4, 5, dtype=torch.bool), capacity=2)
+  with pytest.raises(TypeError, match="must be the PackInfo"):
+    rtb.unpack(x, None)
+  with pytest.raises(TypeError, match="requires_grad needs JAX's x64"):
+    rtb.pack(x.double().requires_grad_(), torch.ones(4, 5, dtype=torch.bool))
+
+
+def test_import_leaves_user_preallocation_setting_alone():
+  import os
+  import subprocess
+  import sys
+  code = ("import os, rlk_torch_bridge; "
+          "print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
+  env = dict(os.environ)
+  env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True).stdout.strip()
+  assert out == "false"
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True).stdout.strip()
+  assert out == "true"
