@@ -72,9 +72,6 @@ def _to_torch(torch, x):
 
 
 
-def _row_bytes(shape, dtype):
-  return shape["hidden"] * jnp.dtype(dtype).itemsize
-
 
 def run(smoke: bool) -> list[Row]:
   cfg = _shapes(smoke)

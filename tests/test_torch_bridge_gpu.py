@@ -1,7 +1,6 @@
 """The torch bridge on a CUDA GPU (run with `pytest -m gpu`): bits, devices,
 stream order and input lifetime."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
