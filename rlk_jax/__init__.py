@@ -20,6 +20,7 @@ _EXPORTS = {
     "pack_info": "rlk_jax._pack",
     "unpack": "rlk_jax._pack",
     "det_gemm": "rlk_jax._det_gemm",
+    "linear_logp": "rlk_jax._linear_logp",
     "implementations": "rlk_jax._dispatch",
     "selected_implementation": "rlk_jax._dispatch",
 }

@@ -42,3 +42,28 @@ def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
 
   acc = jax.lax.fori_loop(0, k, step, jnp.zeros((m, n), jnp.float32))
   return acc.astype(out_dtype)
+
+
+def linear_logp(hidden, weight, targets, temperature=1.0):
+  """(log-prob of target, logsumexp, entropy) per row, f32, by construction
+  row-invariant: the logits come from the K-loop `det_matmul` and the
+  logsumexp walks the vocabulary one column at a time (elementwise over rows).
+  Targets outside [0, V) get log-prob 0. Holds [N, V] logits: a reference."""
+  logits = det_matmul(hidden, weight, out_dtype=jnp.float32) / jnp.float32(temperature)
+  n, v = logits.shape
+
+  def column(j, carry):
+    m, s, weighted = carry
+    col = jax.lax.dynamic_index_in_dim(logits, j, axis=1, keepdims=False)
+    m_new = jnp.maximum(m, col)
+    scale, e = jnp.exp(m - m_new), jnp.exp(col - m_new)
+    return m_new, s * scale + e, weighted * scale + e * col
+
+  zeros = jnp.zeros((n,), jnp.float32)
+  m, s, weighted = jax.lax.fori_loop(
+      0, v, column, (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros))
+  lse = m + jnp.log(s)
+  valid = (targets >= 0) & (targets < v)
+  picked = jnp.take_along_axis(logits, jnp.clip(targets, 0, v - 1)[:, None],
+                               axis=1)[:, 0]
+  return jnp.where(valid, picked - lse, 0.0), lse, lse - weighted / s

@@ -248,12 +248,11 @@ def test_host_imports_without_jax_or_torch():
 
 
 def test_host_packed_logprobs_equal_per_sample(rng):
-  """Host-packed batch -> det_gemm logits and log-probs vs per sample.
+  """Host-packed batch -> rlk_jax log-probs, bitwise the per-sample ones.
 
-  The logits are bitwise the per-sample ones (det_gemm's contract). The
-  log-softmax after them is XLA's, whose reductions are not batch-invariant
-  (seen: 1 ulp on a token between shapes on the CPU): bitwise log-probs are
-  the job of rlk_jax.linear_logp; here they must agree to float32 rounding.
+  Embedding rows, then rlk_jax.linear_logp (det_gemm logits, a row-invariant
+  logsumexp) on the packed stream, against each sample on its own.
+  (XLA's own log_softmax is not batch-invariant: seen 1 ulp apart on the CPU.)
   """
   import jax
   import jax.numpy as jnp
@@ -262,29 +261,18 @@ def test_host_packed_logprobs_equal_per_sample(rng):
   vocab, width = 97, 32
   embed = jnp.asarray(rng.standard_normal((vocab, width)), jnp.bfloat16)
   head = jnp.asarray(rng.standard_normal((width, vocab)), jnp.bfloat16)
-
-  @jax.jit
-  def token_logp(ids, targets):
-    logits = rlk_jax.det_gemm(embed[ids], head, out_dtype=jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, jnp.clip(targets, 0)[..., None], -1)[..., 0]
-    return logits, picked
+  token_logp = jax.jit(lambda ids, targets: rlk_jax.linear_logp(
+      embed[ids], head, targets))
 
   lens = rng.integers(1, 40, 25)
   seqs = [rng.integers(0, vocab, k) for k in lens]
   plan = host.plan_micro_batches(lens, 128, n_bins_multiple=2)
   batch = host.collate_packed(seqs, plan.bins, max_tokens=128, pad_id=0,
                               max_seqs_per_row=32)
-  logits, logp = token_logp(batch["input_ids"].reshape(-1),
-                            batch["targets"].reshape(-1))
-  logits = np.asarray(logits).reshape(-1, 128, vocab)
-  logp = np.asarray(logp).reshape(-1, 128)
+  logp = np.asarray(token_logp(batch["input_ids"], batch["targets"]))
+  assert logp.shape == batch["input_ids"].shape
+  assert (logp[batch["loss_mask"] == 0] == 0).all()  # ignored targets
   for s, seq in enumerate(seqs):
-    alone_logits, alone_logp = map(np.asarray, token_logp(
-        jnp.asarray(seq[:-1]), jnp.asarray(seq[1:])))
+    alone = np.asarray(token_logp(jnp.asarray(seq[:-1]), jnp.asarray(seq[1:])))
     where = (batch["sample_index"] == s) & (batch["loss_mask"] > 0)
-    assert np.array_equal(logits[where].view(np.uint32),
-                          alone_logits.view(np.uint32)), s
-    # Absolute: one ulp of a logsumexp of ~30 is ~2e-6, and near-zero
-    # log-probs (logit - lse cancels) make a relative bound meaningless.
-    np.testing.assert_allclose(logp[where], alone_logp, rtol=0, atol=1e-5)
+    assert np.array_equal(logp[where].view(np.uint32), alone.view(np.uint32)), s

@@ -1,0 +1,139 @@
+"""linear_logp: per-token log-probs of targets from hidden states and the LM
+head, in f32, without holding the [N, V] logits, batch-invariant bitwise.
+
+The forward is one fused pass (``pallas``) or the column-by-column reference
+(``xla``). The backward recomputes the logits a vocabulary chunk at a time
+with det_gemm: ``dlogits = g·(onehot - p) - g_ent·p·(logit - E[logit])``, then
+``dh += dlogits @ W_cᵀ`` and ``dW_c = hᵀ @ dlogits`` (fixed chunk order, fixed
+row order), so only one ``[N, chunk]`` block lives at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import linear_logp as logp_kernel
+from pallas_kernels import triton_backend
+from rlk_jax import _det_gemm, _dispatch, reference
+
+IGNORE_INDEX = -100
+
+
+def _pallas(hidden, weight, targets, temperature):
+  return logp_kernel.linear_logp(
+      hidden, weight, targets, temperature=temperature,
+      interpret=_dispatch.current_platform() == "cpu")
+
+
+TABLE = _dispatch.register(_dispatch.OpTable(
+    op="linear_logp",
+    implementations={
+        "xla": _dispatch.Implementation(
+            "xla", reference.linear_logp, lambda platform: None,
+            "K-loop logits, column-by-column logsumexp: the oracle, CPU default"),
+        "pallas": _dispatch.Implementation(
+            "pallas", _pallas, triton_backend.unavailable_reason,
+            "fused row-block kernel: det_matmul K loop + online logsumexp"),
+    },
+    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
+))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _logp(impl, temperature, chunk_size, hidden, weight, targets):
+  logp, _, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
+                                                    temperature)
+  return logp, entropy
+
+
+def _logp_fwd(impl, temperature, chunk_size, hidden, weight, targets):
+  logp, lse, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
+                                                      temperature)
+  return (logp, entropy), (hidden, weight, targets, lse, entropy)
+
+
+def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
+  hidden, weight, targets, lse, entropy = residuals
+  g_logp, g_ent = cotangents
+  v = weight.shape[1]
+  mean_logit = lse - entropy
+  valid = ((targets >= 0) & (targets < v)).astype(jnp.float32)
+  dh = jnp.zeros(hidden.shape, jnp.float32)
+  dw_chunks = []
+  for c0 in range(0, v, chunk_size):  # a fixed order: the same every call
+    w_c = weight[:, c0:c0 + chunk_size]
+    logits = _det_gemm.det_gemm(hidden, w_c, out_dtype=jnp.float32,
+                                implementation=impl) / jnp.float32(temperature)
+    p = jnp.exp(logits - lse[:, None])
+    onehot = targets[:, None] == c0 + jnp.arange(w_c.shape[1], dtype=jnp.int32)
+    dlogits = (g_logp * valid)[:, None] * (onehot - p)
+    dlogits = dlogits - g_ent[:, None] * p * (logits - mean_logit[:, None])
+    dlogits = (dlogits / jnp.float32(temperature)).astype(hidden.dtype)
+    dh = dh + _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
+                                 out_dtype=jnp.float32, implementation=impl)
+    dw_chunks.append(_det_gemm._matmul(impl, True, False, weight.dtype,
+                                       hidden, dlogits))
+  return dh.astype(hidden.dtype), jnp.concatenate(dw_chunks, axis=1), None
+
+
+_logp.defvjp(_logp_fwd, _logp_bwd)
+
+
+def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
+                chunk_size: int = 8192, return_entropy: bool = False,
+                ignore_index: int = IGNORE_INDEX,
+                implementation: str | None = None):
+  """Log-probs (f32) of `targets` under ``softmax(hidden @ weight / T)``.
+
+  Args:
+    hidden: ``[..., H]`` (bf16, f16 or f32).
+    weight: ``[H, V]``, the dtype of hidden. (A torch ``lm_head.weight`` is
+      ``[V, H]``: pass its transpose.)
+    targets: integer ``[...]``; `ignore_index` (and any id outside [0, V))
+      gives log-prob 0 and no gradient.
+    temperature: static; logits are divided by it.
+    chunk_size: vocabulary chunk of the backward (peak extra memory
+      ``N x chunk_size`` f32).
+    return_entropy: also return the entropy of each row's distribution.
+
+  Each row's result is bitwise the same whatever other rows are in the batch
+  (per implementation and device).
+  """
+  hidden, weight, targets = map(jnp.asarray, (hidden, weight, targets))
+  _check(hidden, weight, targets, temperature, chunk_size)
+  impl = TABLE.select(implementation).name
+  lead = hidden.shape[:-1]
+  n = math.prod(lead)
+  t = jnp.where(targets == ignore_index, -1, targets).astype(jnp.int32)
+  logp, entropy = _logp(impl, float(temperature), int(chunk_size),
+                        hidden.reshape(n, hidden.shape[-1]), weight,
+                        t.reshape(n))
+  logp, entropy = logp.reshape(lead), entropy.reshape(lead)
+  return (logp, entropy) if return_entropy else logp
+
+
+def _check(hidden, weight, targets, temperature, chunk_size):
+  op = "rlk_jax.linear_logp"
+  if weight.ndim != 2:
+    raise ValueError(f"{op}: weight must be [H, V], got shape {weight.shape}.")
+  if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[0]:
+    raise ValueError(f"{op}: hidden {hidden.shape} must end in H={weight.shape[0]}"
+                     f" of weight {weight.shape} ([H, V]).")
+  if targets.shape != hidden.shape[:-1]:
+    raise ValueError(f"{op}: targets shape {targets.shape} must be hidden's "
+                     f"leading shape {hidden.shape[:-1]}.")
+  if weight.shape[1] == 0:
+    raise ValueError(f"{op}: the vocabulary is empty (weight {weight.shape}).")
+  if hidden.dtype not in _det_gemm.GEMM_DTYPES or hidden.dtype != weight.dtype:
+    raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) "
+                    "must share one of bfloat16, float16, float32.")
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise TypeError(f"{op}: targets must be integers, got {targets.dtype}.")
+  if not temperature > 0:
+    raise ValueError(f"{op}: temperature must be > 0, got {temperature}.")
+  if int(chunk_size) < 1:
+    raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}.")

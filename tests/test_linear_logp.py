@@ -1,0 +1,123 @@
+"""rlk_jax.linear_logp: accuracy against float64, bitwise batch invariance,
+gradients, ignore index, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import assert_bitwise_equal, random_array
+
+V = 1000  # not a multiple of any block or chunk
+
+
+def f64_logp(hidden, weight, targets, temperature):
+  h = np.asarray(jnp.asarray(hidden, jnp.float32), np.float64)
+  w = np.asarray(jnp.asarray(weight, jnp.float32), np.float64)
+  logits = h @ w / temperature
+  top = logits.max(1, keepdims=True)
+  lse = np.log(np.exp(logits - top).sum(1)) + top[:, 0]
+  t = np.asarray(targets)
+  valid = (t >= 0) & (t < w.shape[1])
+  logp = np.where(valid, logits[np.arange(len(t)), np.clip(t, 0, None)] - lse, 0)
+  p = np.exp(logits - lse[:, None])
+  return logp, lse - (p * logits).sum(1), logits, p
+
+
+def problem(rng, n, dtype=jnp.bfloat16, h=96):
+  hidden = random_array(rng, (n, h), dtype)
+  weight = (random_array(rng, (h, V), jnp.float32) * 0.3).astype(dtype)
+  targets = jnp.asarray(rng.integers(0, V, n), jnp.int32)
+  return hidden, weight, targets
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_against_float64(impl, temperature, rng):
+  hidden, weight, targets = problem(rng, 130)
+  targets = targets.at[5].set(-100).at[9].set(-100)
+  logp, entropy = rlk_jax.linear_logp(hidden, weight, targets,
+                                      temperature=temperature,
+                                      return_entropy=True, implementation=impl)
+  assert logp.dtype == jnp.float32 and logp.shape == (130,)
+  ref_logp, ref_ent, _, _ = f64_logp(hidden, weight, targets, temperature)
+  assert (np.asarray(logp) <= 0).all()
+  assert np.asarray(logp)[[5, 9]].tolist() == [0.0, 0.0]  # ignored
+  np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-6, atol=2e-5)
+  # Absolute: entropy = lse - E[logit] cancels for peaked rows (logits ~ 30).
+  np.testing.assert_allclose(np.asarray(entropy), ref_ent, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_do_not_depend_on_the_batch(impl, rng):
+  hidden, weight, targets = problem(rng, 300)
+  full = rlk_jax.linear_logp(hidden, weight, targets, implementation=impl)
+  for m in (1, 3, 64):
+    start = int(rng.integers(0, 300 - m + 1))
+    part = rlk_jax.linear_logp(hidden[start:start + m], weight,
+                               targets[start:start + m], implementation=impl)
+    assert_bitwise_equal(part, full[start:start + m], f"M={m} at {start}")
+  # Leading shapes: a [B, S] batch is the same rows.
+  batched = rlk_jax.linear_logp(hidden.reshape(3, 100, 96), weight,
+                                targets.reshape(3, 100), implementation=impl)
+  assert_bitwise_equal(batched.reshape(300), full)
+
+
+def test_gradients_against_float64(impl, rng):
+  hidden, weight, targets = problem(rng, 40, jnp.float32, h=32)
+  targets = targets.at[3].set(-100)
+  g_logp = random_array(rng, (40,), jnp.float32)
+  g_ent = random_array(rng, (40,), jnp.float32)
+  temperature = 0.8
+  _, vjp = jax.vjp(lambda h, w: rlk_jax.linear_logp(
+      h, w, targets, temperature=temperature, return_entropy=True,
+      chunk_size=300, implementation=impl), hidden, weight)
+  dh, dw = vjp((g_logp, g_ent))
+  _, _, logits, p = f64_logp(hidden, weight, targets, temperature)
+  t = np.asarray(targets)
+  onehot = np.zeros_like(p)
+  onehot[np.arange(40), np.clip(t, 0, None)] = (t >= 0)
+  mean = (p * logits).sum(1, keepdims=True)
+  valid = (t >= 0)[:, None]
+  dlogits = (np.asarray(g_logp)[:, None] * valid * (onehot - p)
+             - np.asarray(g_ent)[:, None] * p * (logits - mean)) / temperature
+  h64 = np.asarray(hidden, np.float64)
+  w64 = np.asarray(weight, np.float64)
+  for got, want in ((dh, dlogits @ w64.T), (dw, h64.T @ dlogits)):
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < 1e-5, err
+
+
+def test_check_grads(impl, rng):
+  from jax.test_util import check_grads
+  hidden, weight, targets = problem(rng, 8, jnp.float32, h=16)
+  f = lambda h, w: rlk_jax.linear_logp(h, w, targets, chunk_size=256,
+                                       implementation=impl)
+  check_grads(f, (hidden, weight), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+def test_backward_is_deterministic_and_row_invariant(impl, rng):
+  hidden, weight, targets = problem(rng, 200)
+  grad = jax.jit(jax.grad(lambda h, w, t: jnp.sum(rlk_jax.linear_logp(
+      h, w, t, chunk_size=384, implementation=impl)), argnums=(0, 1)))
+  dh, dw = grad(hidden, weight, targets)
+  dh2, dw2 = grad(hidden, weight, targets)
+  assert_bitwise_equal(dh2, dh)
+  assert_bitwise_equal(dw2, dw)
+  dh_part, _ = grad(hidden[10:13], weight, targets[10:13])
+  assert_bitwise_equal(dh_part, dh[10:13])
+
+
+def test_bad_inputs(rng):
+  hidden, weight, targets = problem(rng, 4)
+  with pytest.raises(ValueError, match="must end in H=96"):
+    rlk_jax.linear_logp(hidden[:, :5], weight, targets)
+  with pytest.raises(ValueError, match="weight must be"):
+    rlk_jax.linear_logp(hidden, weight[None], targets)
+  with pytest.raises(ValueError, match=r"targets shape \(3,\)"):
+    rlk_jax.linear_logp(hidden, weight, targets[:3])
+  with pytest.raises(TypeError, match="targets must be integers"):
+    rlk_jax.linear_logp(hidden, weight, targets.astype(jnp.float32))
+  with pytest.raises(TypeError, match="must share"):
+    rlk_jax.linear_logp(hidden.astype(jnp.float32), weight, targets)
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    rlk_jax.linear_logp(hidden, weight, targets, temperature=0.0)

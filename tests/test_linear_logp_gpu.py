@@ -1,0 +1,39 @@
+"""linear_logp on a CUDA GPU at real sizes (run with `pytest -m gpu`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import ON_GPU, assert_bitwise_equal, random_array
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
+
+
+@pytest.mark.parametrize("vocab", [32000, 151936])
+def test_rows_invariant_and_accurate_at_size(vocab, rng):
+  hidden = random_array(rng, (2048, 4096), jnp.bfloat16) / 3
+  weight = (random_array(rng, (4096, vocab), jnp.float32) * 0.01).astype(jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, vocab, 2048), jnp.int32)
+  f = jax.jit(rlk_jax.linear_logp)
+  full = f(hidden, weight, targets)
+  for m in (1, 3, 64):
+    assert_bitwise_equal(f(hidden[:m], weight, targets[:m]), full[:m], f"M={m}")
+  logits = jnp.dot(hidden[:64].astype(jnp.float32), weight.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  ref = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:64, None], 1)[:, 0]
+  np.testing.assert_allclose(np.asarray(full[:64]), np.asarray(ref), rtol=1e-5, atol=1e-4)
+  assert (np.asarray(full) <= 0).all()
+
+
+def test_gradients_deterministic_at_size(rng):
+  hidden = random_array(rng, (1024, 4096), jnp.bfloat16) / 3
+  weight = (random_array(rng, (4096, 32000), jnp.float32) * 0.01).astype(jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, 32000, 1024), jnp.int32)
+  grad = jax.jit(jax.grad(lambda h, w: jnp.sum(rlk_jax.linear_logp(h, w, targets)),
+                          argnums=(0, 1)))
+  a, b = grad(hidden, weight), grad(hidden, weight)
+  assert_bitwise_equal(a[0], b[0])
+  assert_bitwise_equal(a[1], b[1])
