@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
-__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "matmul"]
+__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "matmul", "tile_product"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,13 @@ class MatmulConfig:
 DEFAULT_CONFIG = MatmulConfig()
 
 
-def _kernel(a_ref, b_ref, c_ref, *, m, n, k, transpose_a, transpose_b, cfg):
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  r0 = pl.program_id(0) * bm
-  c0 = pl.program_id(1) * bn
+def tile_product(a_ref, b_ref, r0, c0, *, m, n, k, block_m, block_n, block_k,
+                 transpose_a=False, transpose_b=False):
+  """The f32 ``[block_m, block_n]`` tile of ``op(A) @ op(B)`` at (r0, c0):
+  all of K in fixed ``block_k`` steps, in order, edges loaded as zeros. Every
+  rlk kernel that needs a product tile calls this one loop, so they round
+  alike."""
+  bm, bn, bk = block_m, block_n, block_k
   row_in = r0 + jnp.arange(bm, dtype=jnp.int32) < m
   col_in = c0 + jnp.arange(bn, dtype=jnp.int32) < n
   rows, cols = pl.ds(r0, bm), pl.ds(c0, bn)
@@ -81,9 +84,20 @@ def _kernel(a_ref, b_ref, c_ref, *, m, n, k, transpose_a, transpose_b, cfg):
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32)
 
-  acc = jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(k, bk)), k_step,
-                          jnp.zeros((bm, bn), jnp.float32))
-  pltriton.store(c_ref.at[rows, cols], acc.astype(c_ref.dtype),
+  return jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(k, bk)), k_step,
+                           jnp.zeros((bm, bn), jnp.float32))
+
+
+def _kernel(a_ref, b_ref, c_ref, *, m, n, k, transpose_a, transpose_b, cfg):
+  bm, bn = cfg.block_m, cfg.block_n
+  r0 = pl.program_id(0) * bm
+  c0 = pl.program_id(1) * bn
+  acc = tile_product(a_ref, b_ref, r0, c0, m=m, n=n, k=k, block_m=bm,
+                     block_n=bn, block_k=cfg.block_k, transpose_a=transpose_a,
+                     transpose_b=transpose_b)
+  row_in = r0 + jnp.arange(bm, dtype=jnp.int32) < m
+  col_in = c0 + jnp.arange(bn, dtype=jnp.int32) < n
+  pltriton.store(c_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], acc.astype(c_ref.dtype),
                  mask=row_in[:, None] & col_in[None, :])
 
 

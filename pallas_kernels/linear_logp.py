@@ -6,7 +6,7 @@ steps, in order) and feed an online logsumexp in f32, so the ``[N, V]``
 logits never exist in memory. Every reduction (over K, over a chunk's
 columns, over chunks) happens inside one program on blocks of one fixed
 shape, in one fixed order: a row's log-prob cannot depend on the other rows,
-whatever N is.
+whatever N is. The product tiles come from det_matmul's own `tile_product`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.det_matmul import tile_product
 from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
 
@@ -47,21 +48,8 @@ def _kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, ent_ref, *, n, hdim, v,
     col_ids = c0 + jnp.arange(bn, dtype=jnp.int32)
     col_in = col_ids < v
 
-    def k_step(step, acc):
-      k0 = step * bk
-      k_in = k0 + jnp.arange(bk, dtype=jnp.int32) < hdim
-      h = pltriton.load(h_ref.at[rows, pl.ds(k0, bk)],
-                        mask=row_in[:, None] & k_in[None, :],
-                        other=jnp.zeros((), h_ref.dtype))
-      w = pltriton.load(w_ref.at[pl.ds(k0, bk), pl.ds(c0, bn)],
-                        mask=k_in[:, None] & col_in[None, :],
-                        other=jnp.zeros((), w_ref.dtype))
-      return acc + jax.lax.dot_general(
-          h, w, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-          preferred_element_type=jnp.float32)
-
-    logits = jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(hdim, bk)),
-                               k_step, jnp.zeros((bm, bn), jnp.float32))
+    logits = tile_product(h_ref, w_ref, r0, c0, m=n, n=v, k=hdim, block_m=bm,
+                          block_n=bn, block_k=bk)
     logits = logits / jnp.float32(temperature)
     logits = jnp.where(col_in[None, :], logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
