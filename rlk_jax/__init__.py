@@ -21,6 +21,9 @@ _EXPORTS = {
     "unpack": "rlk_jax._pack",
     "det_gemm": "rlk_jax._det_gemm",
     "linear_logp": "rlk_jax._linear_logp",
+    "next_token_targets": "rlk_jax._replay",
+    "response_predict_index": "rlk_jax._replay",
+    "block_causal_mask": "rlk_jax._replay",
     "implementations": "rlk_jax._dispatch",
     "selected_implementation": "rlk_jax._dispatch",
 }
