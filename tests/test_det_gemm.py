@@ -102,8 +102,10 @@ def test_gradients_against_float64(impl, rng):
 
 def test_check_grads_second_order(impl, rng):
   from jax.test_util import check_grads
-  a = random_array(rng, (9, 70), jnp.float32)
-  b = random_array(rng, (70, 11), jnp.float32)
+  # Scaled so a @ b is O(1): tanh is curved there, not saturated, and float32
+  # finite differences of second order resolve it.
+  a = random_array(rng, (9, 70), jnp.float32) * 0.1
+  b = random_array(rng, (70, 11), jnp.float32) * 0.1
   f = lambda a, b: jnp.tanh(rlk_jax.det_gemm(a, b, implementation=impl))
   check_grads(f, (a, b), order=2, modes=("rev",), atol=2e-2, rtol=2e-2)
 
