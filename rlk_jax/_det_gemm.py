@@ -26,31 +26,27 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import det_matmul, triton_backend
+from pallas_kernels import det_matmul
 from rlk_jax import _dispatch, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype):
-  return det_matmul.matmul(
-      a, b, transpose_a=transpose_a, transpose_b=transpose_b,
-      out_dtype=out_dtype, interpret=_dispatch.current_platform() == "cpu")
+def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
+  return det_matmul.matmul(a, b, transpose_a=transpose_a,
+                           transpose_b=transpose_b, out_dtype=out_dtype,
+                           interpret=interpret)
 
 
-TABLE = _dispatch.register(_dispatch.OpTable(
-    op="det_gemm",
-    implementations={
-        "xla": _dispatch.Implementation(
-            "xla", reference.det_matmul, lambda platform: None,
-            "explicit K loop of f32 multiply-adds: the oracle, the CPU default"),
-        "pallas": _dispatch.Implementation(
-            "pallas", _pallas_matmul, triton_backend.unavailable_reason,
-            "tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering on "
-            "GPUs, the Pallas interpreter on CPUs)"),
-    },
-    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
-))
+TABLE = _dispatch.register_reference_and_pallas(
+    "det_gemm",
+    reference=reference.det_matmul,
+    reference_doc="explicit K loop of f32 multiply-adds: the oracle, the CPU "
+                  "default",
+    pallas=_pallas_matmul,
+    pallas_doc="tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering "
+               "on GPUs, the Pallas interpreter on CPUs)",
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

@@ -79,6 +79,36 @@ def current_platform() -> str:
   return jax.default_backend()
 
 
+def register_reference_and_pallas(op: str, *, reference: Callable,
+                                  reference_doc: str, pallas: Callable,
+                                  pallas_doc: str) -> OpTable:
+  """The table every rlk op has so far: ``"xla"``, the plain-jnp reference
+  (runs anywhere; the CPU default), and ``"pallas"``, a Triton-lowered kernel
+  (the GPU default) that runs through the Pallas interpreter on CPUs.
+
+  `pallas` takes the op's arguments plus ``interpret=``, decided here at
+  trace time from the platform.
+  """
+  # Imported here: pallas_kernels is the kernels' package, and only the
+  # table needs to know where their lowering runs.
+  from pallas_kernels import triton_backend
+
+  def run_pallas(*args):
+    return pallas(*args, interpret=current_platform() == "cpu")
+
+  return register(OpTable(
+      op=op,
+      implementations={
+          "xla": Implementation("xla", reference, lambda platform: None,
+                                reference_doc),
+          "pallas": Implementation("pallas", run_pallas,
+                                   triton_backend.unavailable_reason,
+                                   pallas_doc),
+      },
+      preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
+  ))
+
+
 def implementations(op: str, platform: str | None = None
                     ) -> dict[str, str | None]:
   """Maps each implementation of `op` to None (available) or why it is not."""

@@ -17,30 +17,24 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import linear_logp as logp_kernel
-from pallas_kernels import triton_backend
 from rlk_jax import _det_gemm, _dispatch, reference
 
 IGNORE_INDEX = -100
 
 
-def _pallas(hidden, weight, targets, temperature):
-  return logp_kernel.linear_logp(
-      hidden, weight, targets, temperature=temperature,
-      interpret=_dispatch.current_platform() == "cpu")
+def _pallas(hidden, weight, targets, temperature, *, interpret):
+  return logp_kernel.linear_logp(hidden, weight, targets,
+                                 temperature=temperature, interpret=interpret)
 
 
-TABLE = _dispatch.register(_dispatch.OpTable(
-    op="linear_logp",
-    implementations={
-        "xla": _dispatch.Implementation(
-            "xla", reference.linear_logp, lambda platform: None,
-            "K-loop logits, column-by-column logsumexp: the oracle, CPU default"),
-        "pallas": _dispatch.Implementation(
-            "pallas", _pallas, triton_backend.unavailable_reason,
-            "fused row-block kernel: det_matmul K loop + online logsumexp"),
-    },
-    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
-))
+TABLE = _dispatch.register_reference_and_pallas(
+    "linear_logp",
+    reference=reference.linear_logp,
+    reference_doc="K-loop logits, column-by-column logsumexp: the oracle, "
+                  "CPU default",
+    pallas=_pallas,
+    pallas_doc="fused row-block kernel: det_matmul K loop + online logsumexp",
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

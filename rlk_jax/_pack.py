@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import row_gather, triton_backend
+from pallas_kernels import row_gather
 from rlk_jax import _dispatch, _validate, reference
 
 
@@ -178,24 +178,14 @@ def _raise_if_dropped(capacity, num_dropped, total):
 # The row gather and its implementations
 
 
-def _pallas_gather(src, idx, fill):
-  interpret = _dispatch.current_platform() == "cpu"
-  return row_gather.gather_rows(src, idx, fill, interpret=interpret)
-
-
-TABLE = _dispatch.register(_dispatch.OpTable(
-    op="pack",
-    implementations={
-        "xla": _dispatch.Implementation(
-            "xla", reference.gather_rows, lambda platform: None,
-            "plain jax.numpy take + where; the oracle and the CPU default"),
-        "pallas": _dispatch.Implementation(
-            "pallas", _pallas_gather, triton_backend.unavailable_reason,
-            "Pallas row-gather kernel (Triton lowering on GPUs, the Pallas "
-            "interpreter on CPUs)"),
-    },
-    preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
-))
+TABLE = _dispatch.register_reference_and_pallas(
+    "pack",
+    reference=reference.gather_rows,
+    reference_doc="plain jax.numpy take + where; the oracle and the CPU default",
+    pallas=row_gather.gather_rows,
+    pallas_doc="Pallas row-gather kernel (Triton lowering on GPUs, the Pallas "
+               "interpreter on CPUs)",
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
