@@ -17,8 +17,8 @@ import time
 
 from absl import app, flags
 
-from benchmarks import (bench_bridge, bench_det_gemm, bench_host, bench_pack,
-                        harness)
+from benchmarks import (bench_bridge, bench_det_gemm, bench_host, bench_logp,
+                        bench_pack, harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -26,8 +26,8 @@ OUT = flags.DEFINE_string("out", None, "Output folder (default: "
 
 ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 
-BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm, "host": bench_host,
-              "bridge": bench_bridge}
+BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
+              "logp": bench_logp, "host": bench_host, "bridge": bench_bridge}
 
 
 def _default_out(smoke: bool) -> str:

@@ -3,9 +3,12 @@
     python -m benchmarks.bench_bridge [--smoke] [--csv out.csv]
 
 Small inputs, so the per-call overhead shows: ``rlk_jax`` (the jitted JAX op on
-JAX arrays), ``rlk_torch_bridge`` (the same op on torch tensors through
-DLPack), and ``torch_native`` (torch.matmul) for scale. The bridge row's note
-gives the added microseconds.
+JAX arrays, its default implementation), ``rlk_torch_bridge`` (the same op on
+torch tensors, default route: on SM90 the CUTLASS kernels launched directly on
+torch's stream), ``rlk_torch_bridge_dlpack`` (the pallas implementation
+through DLPack and a JAX call, the route every other op takes) and
+``torch_native`` (torch.matmul) for scale. Bridge notes give the added
+microseconds per call over ``rlk_jax``.
 """
 
 from __future__ import annotations
@@ -39,12 +42,22 @@ def run(smoke: bool) -> list[Row]:
     jax_ms = harness.time_batches(
         lambda it: jax.block_until_ready([jitted(ja, jb) for _ in range(max(it, 1))]),
         iters=50)
+    route = rlk_jax._det_gemm.plan(
+        ja, jb, platform="gpu" if device == "cuda" else "cpu").implementation
     bridge_ms = harness.time_torch(lambda x: rtb.det_gemm(x, b), [(a,)], iters=50)
+    dlpack_ms = harness.time_torch(
+        lambda x: rtb.det_gemm(x, b, implementation="pallas" if device == "cuda"
+                               else "xla"), [(a,)], iters=50)
     native_ms = harness.time_torch(lambda x: torch.matmul(x, b), [(a,)], iters=50)
+    added = lambda ms: f"+{(ms - jax_ms) * 1e3:.0f} us over rlk_jax"
     rows += [
-        Row(BENCH, case, "rlk_jax", jax_ms, note="jitted call on JAX arrays"),
+        Row(BENCH, case, "rlk_jax", jax_ms,
+            note=f"jitted call on JAX arrays ({route})"),
         Row(BENCH, case, "rlk_torch_bridge", bridge_ms,
-            note=f"+{(bridge_ms - jax_ms) * 1e3:.0f} us over rlk_jax"),
+            note=f"{added(bridge_ms)} ({route}"
+                 f"{' direct launch' if route == 'cuda_ffi' else ''})"),
+        Row(BENCH, case, "rlk_torch_bridge_dlpack", dlpack_ms,
+            note=added(dlpack_ms)),
         Row(BENCH, case, "torch_native", native_ms, note="torch.matmul"),
     ]
   return rows

@@ -71,6 +71,9 @@ def run(smoke: bool) -> list[Row]:
           [(a, b) for a in a_sets], flops=flops)
       if peer and row.tflops:
         row.note = f"{row.tflops / peer:.2f}x cublas"
+      if impl == "cuda_ffi":
+        import cuda_ffi  # only where it is available
+        row.note += f" config {cuda_ffi.chosen_config(m, n)}"
       rows.append(row)
     if (name, m, k, n) in big:
       g_sets = [a @ b for a in a_sets]  # cotangents shaped like the output

@@ -36,11 +36,9 @@ BENCH = "pack"
 def _shapes(smoke: bool):
   if smoke:
     return dict(batch=4, seq=128, hidden=256, dtype=jnp.bfloat16,
-                densities=(0.05, 0.3, 0.7, 1.0), mem_hidden=64,
-                mem_vocabs=(512, 2048), mem_densities=(0.05, 0.3, 1.0))
+                densities=(0.05, 0.3, 0.7, 1.0))
   return dict(batch=32, seq=1024, hidden=4096, dtype=jnp.bfloat16,
-              densities=(0.05, 0.3, 0.7, 1.0), mem_hidden=4096,
-              mem_vocabs=(32768, 131072), mem_densities=(0.05, 0.3, 0.7, 1.0))
+              densities=(0.05, 0.3, 0.7, 1.0))
 
 
 def _copy_bandwidth(xs) -> tuple[float, list[Row]]:
@@ -129,7 +127,6 @@ def run(smoke: bool) -> list[Row]:
       rows.append(Row(BENCH, case, "torch_boolean_index", ms, nbytes / ms / 1e6,
                       nbytes / bw_gbps / 1e6, note="host sync inside x[mask]"))
 
-  rows += _memory_case(cfg)
   return rows
 
 
@@ -166,55 +163,6 @@ def _sweep(case, xs, infos, nbytes, floor_ms) -> list[Row]:
         [(x, info.gather_map) for x, info in zip(xs, infos)], nbytes=nbytes,
         floor_ms=floor_ms))
   return rows
-
-
-def _memory_case(cfg) -> list[Row]:
-  """Peak device memory XLA plans for hidden -> @W -> selected-token logp."""
-  rows = []
-  b, s, h = cfg["batch"], cfg["seq"], cfg["mem_hidden"]
-  rng = np.random.default_rng(1)
-  for vocab in cfg["mem_vocabs"]:
-    hidden = jax.ShapeDtypeStruct((b, s, h), jnp.bfloat16)
-    weight = jax.ShapeDtypeStruct((h, vocab), jnp.bfloat16)
-    targets = jax.ShapeDtypeStruct((b, s), jnp.int32)
-    mask_spec = jax.ShapeDtypeStruct((b, s), jnp.bool_)
-    dense_mb = _peak_mb(_dense_logp, hidden, weight, targets, mask_spec)
-    case = f"logp B*S={b * s} H={h} V={vocab}"
-    rows.append(Row("pack_memory", case, "dense", peak_mem_mb=dense_mb,
-                    note="XLA planned peak"))
-    for density in cfg["mem_densities"]:
-      active = int((rng.random((b, s)) < density).sum())
-      capacity = max(128, -(-active // 128) * 128)
-      mb = _peak_mb(functools.partial(_packed_logp, capacity=capacity),
-                    hidden, weight, targets, mask_spec)
-      rows.append(Row("pack_memory", f"{case} density={density}",
-                      "rlk_pack_then_project", peak_mem_mb=mb,
-                      note=f"capacity={capacity}; {mb / dense_mb:.2f}x dense"))
-  return rows
-
-
-def _selected_logp(logits, targets):
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
-
-
-def _dense_logp(hidden, weight, targets, mask):
-  logp = _selected_logp(hidden @ weight, targets)
-  return jnp.where(mask, logp, 0.0)
-
-
-def _packed_logp(hidden, weight, targets, mask, *, capacity):
-  packed, info = rlk_jax.pack(hidden, mask, capacity=capacity)
-  packed_targets, _ = rlk_jax.pack(targets, info)
-  return rlk_jax.unpack(_selected_logp(packed @ weight, packed_targets), info)
-
-
-def _peak_mb(fn, *specs) -> float:
-  stats = jax.jit(fn).lower(*specs).compile().memory_analysis()
-  total = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-           + stats.output_size_in_bytes - stats.alias_size_in_bytes)
-  return total / 2**20
 
 
 if __name__ == "__main__":

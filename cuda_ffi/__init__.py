@@ -1,8 +1,168 @@
-"""CUDA C++ (CUTLASS SM90) kernels behind XLA FFI custom calls.
+"""CUDA C++ kernels behind XLA FFI custom calls: the SM90 (Hopper) det_gemm.
 
-Nothing is built yet: the det_gemm SM90 path fills this package. Importing it
-is always safe, with or without CUDA.
+CUTLASS 3.x TMA warp-specialized GEMMs with a fixed 64-wide K tile walked in
+order, a persistent tile scheduler and no split-K: batch-invariant like every
+rlk det_gemm. This module finds (or builds, once, cached: see
+``cuda_ffi.build``) the shared library, registers its FFI target with JAX, and
+says why when it cannot. Importing it is always safe, with or without CUDA.
+
+Arithmetic only: the contract (checks, custom_vjp, dispatch) is rlk_jax's.
 """
 
-AVAILABLE = False
-UNAVAILABLE_REASON = "no cuda_ffi kernels are built in this version of rlk"
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+
+import numpy as np
+
+from cuda_ffi import build as _build
+
+FFI_TARGET = "rlk_det_gemm_sm90"
+# Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
+# shape. Every config gives the same bits (device-tested).
+CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2}
+
+_log = logging.getLogger("rlk.cuda_ffi")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _sm90_reason() -> str | None:
+  import jax
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return "no GPU visible to JAX"
+  cc = getattr(gpus[0], "compute_capability", None)
+  if cc != "9.0":
+    return f"needs an SM90 (Hopper) GPU, found compute capability {cc}"
+  return None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+  """(library, None) or (None, why not). Builds on first use when the
+  toolchain is present (RLK_CUDA_FFI_AUTOBUILD=0 turns that off)."""
+  with _lock:
+    if "lib" in _state:
+      return _state["lib"], _state["reason"]
+    lib, reason = None, None
+    try:
+      path = _build.library_path()
+      if path is None:
+        if os.environ.get("RLK_CUDA_FFI_AUTOBUILD", "1") == "0":
+          raise _build.BuildUnavailable(
+              "the library is not built (run `python -m cuda_ffi.build`)")
+        path = _build.build(log=_log.warning)
+      lib = ctypes.CDLL(str(path))
+      _declare(lib)
+      import jax
+      jax.ffi.register_ffi_target(
+          FFI_TARGET, jax.ffi.pycapsule(lib.RlkDetGemmSm90), platform="CUDA")
+    except (_build.BuildUnavailable, OSError, RuntimeError) as e:
+      lib, reason = None, f"cuda_ffi library unavailable: {e}"
+    _state["lib"], _state["reason"] = lib, reason
+    return lib, reason
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+  i64, vp = ctypes.c_int64, ctypes.c_void_p
+  lib.rlk_det_gemm_sm90.restype = ctypes.c_char_p
+  lib.rlk_det_gemm_sm90.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    vp, vp, vp, i64, i64, i64, i64, vp,
+                                    ctypes.c_size_t, vp]
+  lib.rlk_det_gemm_sm90_workspace.restype = i64
+  lib.rlk_det_gemm_sm90_workspace.argtypes = [
+      ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64,
+      ctypes.POINTER(ctypes.c_char_p)]
+  lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
+  lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64]
+
+
+def unavailable_reason(platform: str) -> str | None:
+  """None when the SM90 det_gemm can run on `platform`, else why not."""
+  if platform != "gpu":
+    return f"needs a CUDA GPU (platform is {platform!r})"
+  reason = _sm90_reason()
+  if reason is not None:
+    return reason
+  return _load()[1]
+
+
+def library() -> ctypes.CDLL:
+  lib, reason = _load()
+  if lib is None:
+    raise RuntimeError(reason)
+  return lib
+
+
+def operand_reason(m: int, n: int, k: int, transpose_a: bool,
+                   transpose_b: bool, dtype, out_dtype) -> str | None:
+  """None if the kernels take this product, else why not. Mirrors the
+  library's own check (which still runs), so callers can choose early."""
+  dtype, out_dtype = np.dtype(dtype), np.dtype(out_dtype)
+  if dtype.name != "bfloat16":
+    return f"operands must be bfloat16, got {dtype}"
+  if out_dtype.name not in ("bfloat16", "float32"):
+    return f"the result must be bfloat16 or float32, got {out_dtype}"
+  a_pitch, b_pitch = (m if transpose_a else k), (k if transpose_b else n)
+  if k == 0 or n == 0:
+    return f"empty reduction or output (K={k}, N={n})"
+  if a_pitch % 8 or b_pitch % 8 or n % 8:
+    return (f"TMA needs rows of 16-byte multiples: A rows {a_pitch}, B rows "
+            f"{b_pitch}, C rows {n} elements must be multiples of 8")
+  return None
+
+
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
+           config: str = "auto"):
+  """``op(a) @ op(b)`` on the SM90 kernels (bf16 in, f32 accumulate)."""
+  import jax
+  library()  # registers the target (or raises with the reason)
+  m = a.shape[1] if transpose_a else a.shape[0]
+  n = b.shape[0] if transpose_b else b.shape[1]
+  call = jax.ffi.ffi_call(
+      FFI_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
+      # A vmapped det_gemm arrives already flattened to 2-D by rlk_jax; any
+      # other batching runs the GEMM per batch element, which keeps each
+      # row's bits.
+      vmap_method="sequential")
+  return call(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
+              config=np.int64(CONFIGS[config]))
+
+
+def chosen_config(m: int, n: int) -> str:
+  """The instantiation an ``auto`` call of this shape runs on this GPU."""
+  code = library().rlk_det_gemm_sm90_choose_config(m, n)
+  return {v: k for k, v in CONFIGS.items()}[code]
+
+
+@functools.cache
+def _workspace_bytes(ta, tb, f32, m, n, k, config) -> int:
+  err = ctypes.c_char_p()
+  size = library().rlk_det_gemm_sm90_workspace(ta, tb, f32, m, n, k, config,
+                                               ctypes.byref(err))
+  if size < 0:
+    raise ValueError(err.value.decode())
+  return size
+
+
+def launch(a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, *,
+           transpose_a: bool, transpose_b: bool, out_f32: bool, stream: int,
+           config: str = "auto") -> None:
+  """Launches the same kernels on raw device pointers and a CUDA stream (the
+  torch bridge's route: torch's stream, torch's allocator, no JAX call)."""
+  lib = library()
+  cfg = CONFIGS[config]
+  if m and _workspace_bytes(int(transpose_a), int(transpose_b), int(out_f32),
+                            m, n, k, cfg):
+    raise RuntimeError("rlk cuda_ffi det_gemm: this problem needs a workspace;"
+                       " the direct launch route supports none")
+  err = lib.rlk_det_gemm_sm90(int(transpose_a), int(transpose_b), int(out_f32),
+                              a_ptr, b_ptr, c_ptr, m, n, k, cfg, None, 0,
+                              stream)
+  if err is not None:
+    raise ValueError(err.decode())

@@ -20,12 +20,14 @@ The backward runs in the operand dtype: the cotangent is cast to ``a.dtype``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+import cuda_ffi
 from pallas_kernels import det_matmul
 from rlk_jax import _dispatch, reference
 
@@ -38,6 +40,20 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
                            interpret=interpret)
 
 
+def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  return cuda_ffi.matmul(a, b, transpose_a=transpose_a,
+                         transpose_b=transpose_b, out_dtype=out_dtype)
+
+
+# The operands of one product as every implementation's check sees them:
+# (m, n, k, transpose_a, transpose_b, dtype, out_dtype).
+def product_operands(a_shape, b_shape, transpose_a, transpose_b, dtype,
+                     out_dtype):
+  m, k = a_shape[::-1] if transpose_a else a_shape
+  n = b_shape[0] if transpose_b else b_shape[1]
+  return (m, n, k, transpose_a, transpose_b, dtype, out_dtype)
+
+
 TABLE = _dispatch.register_reference_and_pallas(
     "det_gemm",
     reference=reference.det_matmul,
@@ -46,6 +62,11 @@ TABLE = _dispatch.register_reference_and_pallas(
     pallas=_pallas_matmul,
     pallas_doc="tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering "
                "on GPUs, the Pallas interpreter on CPUs)",
+    gpu_first=[_dispatch.Implementation(
+        "cuda_ffi", _cuda_ffi_matmul, cuda_ffi.unavailable_reason,
+        "CUTLASS SM90 TMA warp-specialized kernels behind an XLA FFI call "
+        "(Hopper; bf16 operands, K and N multiples of 8)",
+        operand_check=cuda_ffi.operand_reason)],
 )
 
 
@@ -88,23 +109,60 @@ def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
       ``transpose_b=True`` (the ``nn.Linear`` weight layout), read in place.
     out_dtype: dtype of the result (bfloat16, float16 or float32); default
       ``a.dtype``.
-    implementation: None (best available here, see
-      ``rlk_jax.selected_implementation("det_gemm")``), ``"pallas"`` or
-      ``"xla"``. Pin one name in both rollout and training to get the same
-      bits in both.
+    implementation: None (the first of ``cuda_ffi``, ``pallas``, ``xla``
+      that is available here and takes these operands: ``cuda_ffi`` needs an
+      SM90 GPU, bf16 operands, K and N multiples of 8), or one of those names
+      (which raises if it cannot run this call). Pin one name in both rollout
+      and training to get the same bits in both.
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
+  call = plan(a, b, out_dtype=out_dtype, implementation=implementation,
+              transpose_b=transpose_b)
+  c = _matmul(call.implementation, False, transpose_b, call.out_dtype,
+              a.reshape(call.m, call.k), b)
+  return c.reshape(*a.shape[:-1], call.n)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+  """What a det_gemm call runs: the checked problem and the implementation."""
+  implementation: str
+  out_dtype: jnp.dtype
+  m: int
+  n: int
+  k: int
+
+
+def plan(a, b, *, out_dtype=None, implementation: str | None = None,
+         transpose_b: bool = False, platform: str | None = None) -> GemmPlan:
+  """Checks a det_gemm call and chooses its implementation.
+
+  `a` and `b` need only ``shape`` and a ``dtype`` JAX knows (arrays, or
+  ``jax.ShapeDtypeStruct``): the torch bridge plans its calls here too, so
+  both front ends raise the same errors and pick the same kernel. Cached per
+  signature: the bridge calls this on every op call.
+  """
+  return _plan(tuple(a.shape), jnp.dtype(a.dtype), tuple(b.shape),
+               jnp.dtype(b.dtype), None if out_dtype is None
+               else jnp.dtype(out_dtype), implementation, bool(transpose_b),
+               platform or _dispatch.current_platform())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(a_shape, a_dtype, b_shape, b_dtype, out_dtype, implementation,
+          transpose_b, platform) -> GemmPlan:
+  a = jax.ShapeDtypeStruct(a_shape, a_dtype)
+  b = jax.ShapeDtypeStruct(b_shape, b_dtype)
   _check(a, b, transpose_b)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if out_dtype not in GEMM_DTYPES:
     raise TypeError(f"rlk_jax.det_gemm: out_dtype {out_dtype} is not supported;"
                     f" use one of {', '.join(map(str, GEMM_DTYPES))}.")
-  impl = TABLE.select(implementation).name
   n, k = b.shape if transpose_b else b.shape[::-1]
-  lead = a.shape[:-1]
-  c = _matmul(impl, False, transpose_b, out_dtype,
-              a.reshape(math.prod(lead), k), b)
-  return c.reshape(*lead, n)
+  m = math.prod(a.shape[:-1])
+  impl = TABLE.select(implementation, platform, operands=product_operands(
+      (m, k), b.shape, False, transpose_b, a.dtype, out_dtype)).name
+  return GemmPlan(impl, out_dtype, m, n, k)
 
 
 def _check(a, b, transpose_b=False):

@@ -21,12 +21,23 @@ import jax
 Probe = Callable[[str], "str | None"]
 
 
+# An operand check returns None when the implementation takes this call's
+# operands (shapes, dtypes), otherwise why not.
+OperandCheck = Callable[..., "str | None"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   name: str
   fn: Callable
   probe: Probe
   doc: str = ""
+  operand_check: OperandCheck | None = None
+
+  def operand_reason(self, operands) -> str | None:
+    if operands is None or self.operand_check is None:
+      return None
+    return self.operand_check(*operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +51,12 @@ class OpTable:
   def unavailable_reason(self, name: str, platform: str) -> str | None:
     return self.implementations[name].probe(platform)
 
-  def select(self, implementation: str | None, platform: str | None = None
-             ) -> Implementation:
+  def select(self, implementation: str | None, platform: str | None = None,
+             operands: tuple | None = None) -> Implementation:
+    """The implementation a call runs. `operands` (the op's own description
+    of this call) lets an implementation that takes only some shapes or
+    dtypes decline: ``None`` then moves on to the next preference, a named
+    one raises with the reason."""
     platform = platform or current_platform()
     if implementation is not None:
       if implementation not in self.implementations:
@@ -53,10 +68,17 @@ class OpTable:
         raise RuntimeError(
             f"rlk_jax.{self.op}: implementation {implementation!r} is not "
             f"available on platform {platform!r}: {reason}")
-      return self.implementations[implementation]
+      chosen = self.implementations[implementation]
+      reason = chosen.operand_reason(operands)
+      if reason is not None:
+        raise ValueError(f"rlk_jax.{self.op}: implementation "
+                         f"{implementation!r} cannot take these operands: "
+                         f"{reason}")
+      return chosen
     order = self.preference.get(platform, self.default_preference)
     for name in order:
-      if self.unavailable_reason(name, platform) is None:
+      if (self.unavailable_reason(name, platform) is None
+          and self.implementations[name].operand_reason(operands) is None):
         return self.implementations[name]
     raise RuntimeError(
         f"rlk_jax.{self.op}: no implementation is available on platform "
@@ -81,10 +103,14 @@ def current_platform() -> str:
 
 def register_reference_and_pallas(op: str, *, reference: Callable,
                                   reference_doc: str, pallas: Callable,
-                                  pallas_doc: str) -> OpTable:
-  """The table every rlk op has so far: ``"xla"``, the plain-jnp reference
-  (runs anywhere; the CPU default), and ``"pallas"``, a Triton-lowered kernel
-  (the GPU default) that runs through the Pallas interpreter on CPUs.
+                                  pallas_doc: str,
+                                  gpu_first: Sequence[Implementation] = ()
+                                  ) -> OpTable:
+  """The table every rlk op has: ``"xla"``, the plain-jnp reference (runs
+  anywhere; the CPU default), and ``"pallas"``, a Triton-lowered kernel (the
+  GPU default) that runs through the Pallas interpreter on CPUs; plus
+  `gpu_first`, preferred over both on GPUs where available (e.g. det_gemm's
+  SM90 CUTLASS kernels).
 
   `pallas` takes the op's arguments plus ``interpret=``, decided here at
   trace time from the platform.
@@ -104,8 +130,10 @@ def register_reference_and_pallas(op: str, *, reference: Callable,
           "pallas": Implementation("pallas", run_pallas,
                                    triton_backend.unavailable_reason,
                                    pallas_doc),
+          **{impl.name: impl for impl in gpu_first},
       },
-      preference={"cpu": ("xla",), "gpu": ("pallas", "xla")},
+      preference={"cpu": ("xla",),
+                  "gpu": (*(impl.name for impl in gpu_first), "pallas", "xla")},
   ))
 
 
@@ -120,7 +148,10 @@ def implementations(op: str, platform: str | None = None
 
 def selected_implementation(op: str, implementation: str | None = None,
                             platform: str | None = None) -> str:
-  """The name of the implementation a call of `op` would use."""
+  """The name of the implementation a call of `op` would use on `platform`
+  (default: JAX's default backend), for operands every implementation takes.
+  (det_gemm passes over ``cuda_ffi`` for operands it cannot take: see
+  ``rlk_jax.det_gemm``'s docstring.)"""
   return _table(op).select(implementation, platform).name
 
 

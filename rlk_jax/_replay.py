@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlk_jax._pack import PackInfo
 
@@ -37,18 +38,42 @@ def response_predict_index(info: PackInfo, prompt_lens, response_lens, *,
   """``[n_seq, max_response_len]`` packed row whose output predicts response
   token j of sequence i: ``cu_seqlens[i] + prompt_lens[i] - 1 + j``; -1 where
   there is no such token (j past the response), where nothing precedes it (an
-  empty prompt's first response token), or where the row was dropped.
+  empty prompt's first response token), or where the predicting row or the
+  predicted token's row was dropped (capacity too small: that row's target
+  is ignored, and its log-prob would read as a certain 0).
 
-  Assumes each packed sequence is its prompt followed by its response
-  (``seq_lens == prompt_lens + response_lens``).
+  Each packed sequence must be its prompt followed by its response
+  (``seq_lens == prompt_lens + response_lens``): checked when the lengths
+  are concrete.
   """
   prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
   response_lens = jnp.asarray(response_lens, jnp.int32)
+  _check_lengths(info, prompt_lens, response_lens)
   j = jnp.arange(max_response_len, dtype=jnp.int32)[None, :]
   rows = info.cu_seqlens[:-1, None] + prompt_lens[:, None] - 1 + j
+  kept = jnp.minimum(info.total, info.capacity)
   ok = ((j < response_lens[:, None]) & (prompt_lens[:, None] + j >= 1)
-        & (rows < jnp.minimum(info.total, info.capacity)))
+        & (rows + 1 < kept))
   return jnp.where(ok, rows, -1)
+
+
+def _check_lengths(info: PackInfo, prompt_lens, response_lens) -> None:
+  op = "rlk_jax.response_predict_index"
+  if (prompt_lens.shape != info.seq_lens.shape
+      or response_lens.shape != info.seq_lens.shape):
+    raise ValueError(f"{op}: prompt_lens {prompt_lens.shape} and "
+                     f"response_lens {response_lens.shape} need one entry per "
+                     f"sequence {info.seq_lens.shape}.")
+  if any(isinstance(x, jax.core.Tracer)
+         for x in (info.seq_lens, prompt_lens, response_lens)):
+    return  # inside jit: no comparison without a host sync
+  bad = np.flatnonzero(np.asarray(info.seq_lens)
+                       != np.asarray(prompt_lens + response_lens))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{op}: sequence {i} has {int(info.seq_lens[i])} packed "
+                     f"tokens but prompt_lens + response_lens = "
+                     f"{int(prompt_lens[i])} + {int(response_lens[i])}.")
 
 
 def block_causal_mask(info: PackInfo) -> jax.Array:

@@ -46,6 +46,14 @@ def jax_dtype(dtype):
     raise TypeError(f"rlk_torch_bridge: unsupported dtype {dtype}.") from None
 
 
+def torch_dtype(dtype) -> torch.dtype:
+  dtype = jnp.dtype(dtype)
+  for t, j in _TO_JAX_DTYPE.items():
+    if jnp.dtype(j) == dtype:
+      return t
+  raise TypeError(f"rlk_torch_bridge: no torch dtype for {dtype}.")
+
+
 def platform_of(t: torch.Tensor) -> str:
   return "gpu" if t.device.type == "cuda" else "cpu"
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import torch
 
 import rlk_jax
+from rlk_jax import _det_gemm
+from rlk_torch_bridge import _sm90
 from rlk_torch_bridge._dlpack import (check_same_device, check_tensor,
-                                      jax_dtype, platform_of, to_jax, to_torch)
+                                      jax_dtype, platform_of, to_jax, to_torch,
+                                      torch_dtype)
 
 
 @jax.jit
@@ -63,8 +67,15 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
   check_tensor("det_gemm", "a", a)
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
-  impl = rlk_jax.selected_implementation("det_gemm", implementation,
-                                         platform=platform_of(a))
+  # rlk_jax checks the call and picks the kernel: the same errors, the same
+  # choice as a JAX caller with these shapes and dtypes.
+  call = _det_gemm.plan(_spec(a), _spec(b), out_dtype=jax_dtype(out_dtype),
+                        implementation=implementation, transpose_b=transpose_b,
+                        platform=platform_of(a))
+  if call.implementation == "cuda_ffi":
+    return _sm90.det_gemm(a, b, torch_dtype(call.out_dtype), transpose_b,
+                          call.m, call.n, call.k)
+  impl = call.implementation
   if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
     # Inference: no VJP residuals to build or keep.
     return to_torch(_det_gemm_forward(to_jax(a), to_jax(b),
@@ -72,6 +83,16 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
                                       implementation=impl,
                                       transpose_b=transpose_b))
   return _DetGemm.apply(a, b, jax_dtype(out_dtype), impl, transpose_b)
+
+
+class _Spec(NamedTuple):
+  """Shape and JAX dtype of a tensor: all rlk_jax's checks need."""
+  shape: tuple
+  dtype: object
+
+
+def _spec(t: torch.Tensor) -> _Spec:
+  return _Spec(tuple(t.shape), jax_dtype(t.dtype))
 
 
 # ----------------------------------------------------------------------------

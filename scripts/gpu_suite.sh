@@ -29,6 +29,16 @@ export RLK_COMMIT="${RLK_COMMIT:-unknown}"
   python3 -c "import jax, jaxlib, torch, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'torch', torch.__version__, 'triton', triton.__version__); print(jax.devices())"
 } 2>&1 | tee "$OUT/env.log"
 
+# The SM90 library: built here from the sources (nvcc + the nvidia-cutlass
+# wheel from .whl/), or the one named by RLK_CUDA_FFI_LIB; a copy goes to
+# $OUT so a later call can carry it instead of building again.
+start=$(date +%s)
+python3 -m cuda_ffi.build > "$OUT/build.log" 2>&1
+build_rc=$?
+build_s=$(( $(date +%s) - start ))
+lib=$(tail -n 1 "$OUT/build.log")
+[ "$build_rc" = 0 ] && [ -z "${RLK_CUDA_FFI_LIB:-}" ] && cp "$lib" "$OUT/" 2>/dev/null
+
 start=$(date +%s)
 # shellcheck disable=SC2086  # RLK_PYTEST_ARGS may name several paths
 timeout "${RLK_TEST_TIMEOUT:-0}" python3 -m pytest -q -m "gpu or not gpu" \
@@ -44,6 +54,7 @@ cp "$OUT/bench/results.csv" "$OUT/results.csv" 2>/dev/null
 cp "$OUT/bench/report.md" "$OUT/report.md" 2>/dev/null
 rm -rf "$OUT/bench"
 
+echo "== cuda_ffi build (rc=$build_rc, ${build_s}s): $(tail -n 1 "$OUT/build.log")"
 echo "== pytest (rc=$test_rc, ${test_s}s): $(tail -n 1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 echo "== benchmarks (rc=$bench_rc)"

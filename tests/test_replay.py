@@ -74,3 +74,28 @@ def test_next_token_targets_bad_shape(rng):
   packed, info = rlk_jax.pack(ids, mask, capacity=5)
   with pytest.raises(ValueError, match=r"shape \(4,\); expected \(5,\)"):
     rlk_jax.next_token_targets(packed[:4], info)
+
+
+def test_response_predict_index_never_points_at_a_dropped_target():
+  # Capacity 4 keeps [11 12 13 | 21]: sequence 1's prompt row (21) survives
+  # but the response token it predicts (22) was dropped, so its index is -1
+  # (under jit, where pack cannot raise on the overflow).
+  ids = np.array([[11, 12, 13, 0], [21, 22, 23, 24]], np.int32)
+  mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
+
+  @jax.jit
+  def index(ids, mask):
+    _, info = rlk_jax.pack(ids, mask, capacity=4)
+    return rlk_jax.response_predict_index(info, [1, 1], [2, 3],
+                                          max_response_len=3)
+
+  got = np.asarray(index(ids, mask))
+  assert got.tolist() == [[0, 1, -1], [-1, -1, -1]]
+
+
+def test_response_predict_index_checks_lengths():
+  ids = np.arange(8, dtype=np.int32).reshape(2, 4)
+  _, info = rlk_jax.pack(ids, np.ones_like(ids, bool))
+  with pytest.raises(ValueError, match="sequence 1 has 4 packed tokens but "
+                                       "prompt_lens \\+ response_lens = 2 \\+ 1"):
+    rlk_jax.response_predict_index(info, [1, 2], [3, 1], max_response_len=3)

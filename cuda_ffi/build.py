@@ -1,0 +1,206 @@
+"""Builds the SM90 det_gemm library (CUTLASS headers from the `nvidia-cutlass`
+wheel, the XLA FFI headers from jaxlib) into a cache keyed by everything that
+goes into it.
+
+    python -m cuda_ffi.build            # build (or find) the library, print its path
+    python -m cuda_ffi.build --check    # compile every source for sm_90a, link nothing
+
+Nothing is downloaded: the inputs are the `nvcc` on PATH (or $CUDA_HOME), the
+installed `nvidia-cutlass` wheel ($RLK_CUTLASS_DIR overrides) and jaxlib. The
+kernels compile once per (operand layout, output dtype) variant, in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+KERNEL_SOURCE = CSRC / "det_gemm_kernels.cu"
+API_SOURCE = CSRC / "det_gemm_api.cc"
+LIBRARY_NAME = "librlk_cuda_ffi.so"
+# (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
+# backward can ask for.
+VARIANTS = [(ta, tb, f32) for ta in (0, 1) for tb in (0, 1) for f32 in (0, 1)]
+NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+              "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+
+
+class BuildUnavailable(RuntimeError):
+  """A build input is missing; the message says which and how to get it."""
+
+
+def find_nvcc() -> str:
+  candidates = [os.path.join(os.environ[v], "bin", "nvcc")
+                for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+  candidates += [shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc"]
+  for path in candidates:
+    if path and os.access(path, os.X_OK):
+      return path
+  raise BuildUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+
+
+def find_cutlass() -> pathlib.Path:
+  """The CUTLASS source tree shipped inside the nvidia-cutlass wheel."""
+  if "RLK_CUTLASS_DIR" in os.environ:
+    root = pathlib.Path(os.environ["RLK_CUTLASS_DIR"])
+  else:
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+      raise BuildUnavailable("CUTLASS headers not found: pip install "
+                             "nvidia-cutlass (the `cuda` extra of rlk)")
+    root = pathlib.Path(list(spec.submodule_search_locations)[0]) / "source"
+  if not (root / "include" / "cutlass" / "cutlass.h").is_file():
+    raise BuildUnavailable(f"no CUTLASS headers under {root}/include")
+  return root
+
+
+def find_ffi_include() -> pathlib.Path:
+  import jax  # only the build needs jax's include dir
+  return pathlib.Path(jax.ffi.include_dir())
+
+
+def _inputs():
+  nvcc = find_nvcc()
+  cutlass = find_cutlass()
+  ffi = find_ffi_include()
+  return nvcc, cutlass, ffi
+
+
+def cache_dir() -> pathlib.Path:
+  root = os.environ.get("RLK_CACHE_DIR") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlk")
+  return pathlib.Path(root) / "cuda_ffi"
+
+
+def build_key(nvcc: str, cutlass: pathlib.Path, ffi: pathlib.Path) -> str:
+  """Hash of the sources, flags, compiler and header versions."""
+  h = hashlib.sha256()
+  for path in sorted(CSRC.iterdir()):
+    h.update(path.name.encode())
+    h.update(path.read_bytes())
+  h.update(" ".join(NVCC_FLAGS).encode())
+  h.update(subprocess.run([nvcc, "--version"], capture_output=True,
+                          text=True, check=True).stdout.encode())
+  version = cutlass / "include" / "cutlass" / "version.h"
+  h.update(version.read_bytes() if version.is_file() else str(cutlass).encode())
+  h.update((ffi / "xla" / "ffi" / "api" / "c_api.h").read_bytes())
+  return h.hexdigest()[:16]
+
+
+def library_path() -> pathlib.Path | None:
+  """The cached library for the current sources, if it was built."""
+  if os.environ.get("RLK_CUDA_FFI_LIB"):
+    return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
+  try:
+    key = build_key(*_inputs())
+  except BuildUnavailable:
+    return None
+  path = cache_dir() / key / LIBRARY_NAME
+  return path if path.is_file() else None
+
+
+def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
+                      variants=VARIANTS):
+  includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
+              "-isystem", str(cutlass / "tools" / "util" / "include")]
+  commands = []
+  for ta, tb, f32 in variants:
+    obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}.o"
+    commands.append([nvcc, *NVCC_FLAGS, *includes, f"-DRLK_TA={ta}",
+                     f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}", "-c",
+                     str(KERNEL_SOURCE), "-o", str(obj)])
+  # Host code, compiled through nvcc so CUDA's headers are found wherever
+  # the toolkit lives.
+  commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
+                   str(CSRC), "-isystem", str(ffi), "-c", str(API_SOURCE),
+                   "-o", str(out_dir / "det_gemm_api.o")])
+  return commands
+
+
+def _run_all(commands, jobs: int, log=print):
+  def run(cmd):
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return cmd, done
+  failures = []
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    for cmd, done in pool.map(run, commands):
+      name = pathlib.Path(cmd[cmd.index("-o") + 1]).name
+      log(f"  {'ok' if done.returncode == 0 else 'FAILED'}: {name}")
+      if done.returncode != 0:
+        failures.append(f"$ {' '.join(cmd)}\n{done.stderr[-4000:]}")
+  if failures:
+    raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(failures))
+
+
+def build(jobs: int | None = None, log=print) -> pathlib.Path:
+  """Builds the library unless the cache already has it (or RLK_CUDA_FFI_LIB
+  names a prebuilt one); returns its path."""
+  if os.environ.get("RLK_CUDA_FFI_LIB"):
+    return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
+  nvcc, cutlass, ffi = _inputs()
+  final = cache_dir() / build_key(nvcc, cutlass, ffi)
+  lib = final / LIBRARY_NAME
+  if lib.is_file():
+    return lib
+  final.parent.mkdir(parents=True, exist_ok=True)
+  jobs = jobs or os.cpu_count() or 1
+  with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+    tmp = pathlib.Path(tmp)
+    log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
+        f"kernel variants, {jobs} jobs; a one-time cost, cached in {final})")
+    _run_all(_compile_commands(nvcc, cutlass, ffi, tmp), jobs, log)
+    objs = sorted(str(p) for p in tmp.glob("*.o"))
+    # cudart linked statically: the library needs only the driver at run time.
+    subprocess.run([nvcc, "-shared", "-cudart", "static",
+                    "-gencode", "arch=compute_90a,code=sm_90a",
+                    *objs, "-o", str(tmp / LIBRARY_NAME)], check=True,
+                   capture_output=True, text=True)
+    staged = tmp / "staged"
+    staged.mkdir()
+    shutil.move(str(tmp / LIBRARY_NAME), staged / LIBRARY_NAME)
+    try:
+      staged.rename(final)  # atomic: concurrent builders never see half a dir
+    except OSError:
+      if not lib.is_file():
+        raise
+  return lib
+
+
+def check(jobs: int | None = None, variants=VARIANTS, log=print) -> None:
+  """Compiles the sources for sm_90a into a scratch directory (no link):
+  the API and the kernel file once per variant in `variants`."""
+  nvcc, cutlass, ffi = _inputs()
+  with tempfile.TemporaryDirectory() as tmp:
+    _run_all(_compile_commands(nvcc, cutlass, ffi, pathlib.Path(tmp),
+                               variants), jobs or os.cpu_count() or 1, log)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true",
+                      help="compile only, into a scratch directory")
+  parser.add_argument("--jobs", type=int, default=None)
+  args = parser.parse_args(argv)
+  try:
+    if args.check:
+      check(args.jobs)
+      print("cuda_ffi sources compile for sm_90a")
+    else:
+      print(build(args.jobs))
+  except BuildUnavailable as e:
+    print(f"cuda_ffi: cannot build: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

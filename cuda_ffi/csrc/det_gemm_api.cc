@@ -1,0 +1,250 @@
+// Entry points of the SM90 det_gemm: an XLA FFI handler (JAX) and a plain C
+// function (the torch bridge, on torch's current stream). Both check the
+// problem the same way and launch the same kernels, so they give the same
+// bits for the same inputs.
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "det_gemm_sm90.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace rlk {
+
+GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
+  // The 128x256 tiles win once they give every SM work (a full wave); below
+  // that, 64x128 tiles spread a small M over more SMs.
+  const int64_t big_tiles = ((m + 127) / 128) * ((n + 255) / 256);
+  return big_tiles >= sm_count ? GemmConfig::kCooperative128x256
+                               : GemmConfig::kPingpong64x128;
+}
+
+namespace {
+
+struct DeviceInfo {
+  int major = 0, minor = 0, sm_count = 0;
+};
+
+// Per-device properties, queried once: the launch path stays free of
+// driver queries.
+const DeviceInfo& InfoOf(int device) {
+  static std::mutex mu;
+  static std::vector<DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1);
+  DeviceInfo& info = cache[device];
+  if (info.sm_count == 0) {
+    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor,
+                           device);
+    cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor,
+                           device);
+    cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount,
+                           device);
+  }
+  return info;
+}
+
+thread_local std::string last_error;
+
+// Checks shared by both entry points; empty when the problem is fine.
+std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
+                         bool out_f32, int64_t config, const DeviceInfo& info) {
+  char buf[320];
+  if (info.major != 9 || info.minor != 0) {
+    std::snprintf(buf, sizeof buf,
+                  "rlk cuda_ffi det_gemm needs an SM90 GPU (compute "
+                  "capability 9.0); this one is %d.%d",
+                  info.major, info.minor);
+    return buf;
+  }
+  if (m < 0 || n < 1 || k < 1 || m > INT32_MAX || n > INT32_MAX ||
+      k > INT32_MAX) {
+    std::snprintf(buf, sizeof buf,
+                  "rlk cuda_ffi det_gemm: unsupported sizes M=%lld N=%lld "
+                  "K=%lld (need 0 <= M, 1 <= N, K < 2^31)",
+                  (long long)m, (long long)n, (long long)k);
+    return buf;
+  }
+  // TMA moves rows whose pitch is a multiple of 16 bytes. The pitches are:
+  // A [M, K] -> K, A stored [K, M] -> M; B [K, N] -> N, B stored [N, K] -> K;
+  // C [M, N] -> N.
+  const int64_t a_pitch = ta ? m : k, b_pitch = tb ? k : n;
+  if (a_pitch % 8 != 0 || b_pitch % 8 != 0 || n % (out_f32 ? 4 : 8) != 0) {
+    std::snprintf(buf, sizeof buf,
+                  "rlk cuda_ffi det_gemm: row pitches must be multiples of 16 "
+                  "bytes for TMA: A %s has rows of %lld, B %s rows of %lld, "
+                  "C [M, N] rows of %lld elements (M=%lld N=%lld K=%lld)",
+                  ta ? "[K, M]" : "[M, K]", (long long)a_pitch,
+                  tb ? "[N, K]" : "[K, N]", (long long)b_pitch, (long long)n,
+                  (long long)m, (long long)n, (long long)k);
+    return buf;
+  }
+  if (config < 0 || config > 2) {
+    std::snprintf(buf, sizeof buf, "rlk cuda_ffi det_gemm: unknown config %lld",
+                  (long long)config);
+    return buf;
+  }
+  return "";
+}
+
+LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
+                    GemmConfig config, size_t* workspace_needed) {
+  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
+#define RLK_CASE(TA, TB, F32)                                       \
+  if (ta == TA && tb == TB && out_f32 == F32)                       \
+    return LaunchGemm<TA, TB, F32>(p, config, workspace_needed);
+  RLK_CASE(false, false, false) RLK_CASE(false, false, true)
+  RLK_CASE(false, true, false) RLK_CASE(false, true, true)
+  RLK_CASE(true, false, false) RLK_CASE(true, false, true)
+  RLK_CASE(true, true, false) RLK_CASE(true, true, true)
+#undef RLK_CASE
+  return {false, "unreachable layout"};
+}
+
+ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                      ffi::AnyBuffer a, ffi::AnyBuffer b,
+                      ffi::Result<ffi::AnyBuffer> c, bool transpose_a,
+                      bool transpose_b, int64_t config) {
+  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dc.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi det_gemm: operands and result must be rank 2");
+  }
+  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi det_gemm: operands must be bfloat16");
+  }
+  const bool out_f32 = c->element_type() == ffi::F32;
+  if (!out_f32 && c->element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi det_gemm: the result must be bfloat16 or float32");
+  }
+  const int64_t m = transpose_a ? da[1] : da[0];
+  const int64_t k = transpose_a ? da[0] : da[1];
+  const int64_t n = transpose_b ? db[0] : db[1];
+  const int64_t kb = transpose_b ? db[1] : db[0];
+  if (kb != k || dc[0] != m || dc[1] != n) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi det_gemm: shapes disagree: A [" + std::to_string(da[0]) +
+        ", " + std::to_string(da[1]) + "], B [" + std::to_string(db[0]) +
+        ", " + std::to_string(db[1]) + "], C [" + std::to_string(dc[0]) +
+        ", " + std::to_string(dc[1]) + "]");
+  }
+  if (m == 0) return ffi::Error::Success();
+  int device = 0;
+  cudaGetDevice(&device);
+  const DeviceInfo& info = InfoOf(device);
+  const std::string problem =
+      CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config, info);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+
+  GemmProblem p{a.untyped_data(), b.untyped_data(), nullptr, m, n, k,
+                info.sm_count, nullptr, 0, stream};
+  const auto cfg = static_cast<GemmConfig>(config);
+  size_t needed = 0;
+  LaunchStatus status = Launch(transpose_a, transpose_b, out_f32, p, cfg,
+                               &needed);
+  if (!status.ok) return ffi::Error::Internal(status.message);
+  if (needed > 0) {
+    auto ws = scratch.Allocate(needed, 256);
+    if (!ws.has_value()) {
+      return ffi::Error(
+          ffi::ErrorCode::kResourceExhausted,
+          "rlk cuda_ffi det_gemm: could not allocate the kernel workspace");
+    }
+    p.workspace = *ws;
+    p.workspace_bytes = needed;
+  }
+  p.c = c->untyped_data();
+  status = Launch(transpose_a, transpose_b, out_f32, p, cfg, nullptr);
+  if (!status.ok) return ffi::Error::Internal(status.message);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace rlk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkDetGemmSm90, rlk::DetGemmFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b")
+                                  .Attr<int64_t>("config"));
+
+extern "C" {
+
+// The torch bridge's entry: launches on `stream` (torch's current stream),
+// so stream order and the caching allocator's reuse rules hold by
+// construction. Returns NULL, or a message valid until the next call on this
+// thread. `out_f32` selects the result dtype; `workspace` may be NULL when
+// rlk_det_gemm_sm90_workspace reported 0 bytes.
+const char* rlk_det_gemm_sm90(int transpose_a, int transpose_b, int out_f32,
+                              const void* a, const void* b, void* c,
+                              int64_t m, int64_t n, int64_t k, int64_t config,
+                              void* workspace, size_t workspace_bytes,
+                              void* stream) {
+  using namespace rlk;
+  if (m == 0) return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  const DeviceInfo& info = InfoOf(device);
+  last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
+                            info);
+  if (!last_error.empty()) return last_error.c_str();
+  GemmProblem p{a, b, c, m, n, k, info.sm_count, workspace, workspace_bytes,
+                static_cast<cudaStream_t>(stream)};
+  LaunchStatus status = Launch(transpose_a, transpose_b, out_f32, p,
+                               static_cast<GemmConfig>(config), nullptr);
+  if (status.ok) return nullptr;
+  last_error = status.message;
+  return last_error.c_str();
+}
+
+// Workspace bytes a call needs (0 for the persistent schedulers used here),
+// or -1 with the message in *error.
+int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
+                                    int out_f32, int64_t m, int64_t n,
+                                    int64_t k, int64_t config,
+                                    const char** error) {
+  using namespace rlk;
+  int device = 0;
+  cudaGetDevice(&device);
+  const DeviceInfo& info = InfoOf(device);
+  last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
+                            info);
+  if (!last_error.empty()) {
+    *error = last_error.c_str();
+    return -1;
+  }
+  GemmProblem p{nullptr, nullptr, nullptr, m, n, k, info.sm_count, nullptr,
+                0, nullptr};
+  size_t needed = 0;
+  LaunchStatus status = Launch(transpose_a, transpose_b, out_f32, p,
+                               static_cast<GemmConfig>(config), &needed);
+  if (!status.ok) {
+    last_error = status.message;
+    *error = last_error.c_str();
+    return -1;
+  }
+  return static_cast<int64_t>(needed);
+}
+
+// The instantiation an auto call picks on the current device (1 or 2), so
+// tests and benchmarks can name what ran.
+int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
+  int device = 0;
+  cudaGetDevice(&device);
+  return static_cast<int>(
+      rlk::ChooseConfig(m, n, rlk::InfoOf(device).sm_count));
+}
+
+}  // extern "C"

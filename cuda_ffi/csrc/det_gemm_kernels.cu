@@ -1,0 +1,144 @@
+// CUTLASS 3.x SM90 TMA warp-specialized GEMMs for one (layout, out dtype)
+// variant, chosen at compile time with -DRLK_TA, -DRLK_TB, -DRLK_OUT_F32: the
+// build compiles this file once per variant, in parallel.
+#include "det_gemm_sm90.h"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#ifndef RLK_TA
+#error "compile with -DRLK_TA=0|1 -DRLK_TB=0|1 -DRLK_OUT_F32=0|1"
+#endif
+
+namespace rlk {
+namespace {
+
+using namespace cute;
+
+struct Cooperative128x256 {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+struct Pingpong64x128 {
+  using Tile = Shape<_64, _128, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// Row-major storage in our terms, as CUTLASS layout tags: A [M, K] is
+// K-major (RowMajor), A stored [K, M] is M-major (ColumnMajor); CUTLASS reads
+// B as K x N, so B [K, N] is RowMajor and B stored [N, K] is ColumnMajor.
+template <bool kTransposeA, bool kTransposeB, bool kOutF32, class Config>
+struct Gemm {
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  using ElementD = std::conditional_t<kOutF32, float, cutlass::bfloat16_t>;
+  using LayoutA = std::conditional_t<kTransposeA, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<kTransposeB, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 8;  // 16-byte TMA rows of bf16
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  // D = 1 * acc (no C operand): the f32 accumulator is rounded once, to
+  // nearest even, exactly as the Pallas kernel's astype does.
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
+      typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
+      typename Config::Epilogue>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA,
+      kAlignAB, ElementB, LayoutB, kAlignAB, float, typename Config::Tile,
+      typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+
+  // The default tile scheduler of these kernels is the persistent one: each
+  // output tile is computed whole by one CTA (no split-K, no stream-K).
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
+                                                      Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class G>
+LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
+  using Device = typename G::Device;
+  using Kernel = typename G::Kernel;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n),
+            k = static_cast<int>(p.k);
+  auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{},
+                                                   cute::make_shape(m, k, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{},
+                                                   cute::make_shape(n, k, 1));
+  auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{},
+                                                   cute::make_shape(m, n, 1));
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = p.sm_count;
+  typename Device::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<const typename G::ElementA*>(p.a), stride_a,
+       static_cast<const typename G::ElementB*>(p.b), stride_b},
+      {{1.0f, 0.0f},
+       nullptr,
+       typename Kernel::StrideC{},
+       static_cast<typename G::ElementD*>(p.c),
+       stride_d},
+      hw};
+  Device gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return {false, "CUTLASS cannot implement this problem (row strides must "
+                   "be multiples of 16 bytes)"};
+  }
+  const size_t needed = Device::get_workspace_size(args);
+  if (workspace_needed != nullptr) *workspace_needed = needed;
+  if (p.c == nullptr) return {true, nullptr};  // a workspace query only
+  if (needed > p.workspace_bytes) {
+    return {false, "the CUTLASS kernel needs more workspace than was given"};
+  }
+  if (gemm.initialize(args, p.workspace, p.stream) !=
+      cutlass::Status::kSuccess) {
+    return {false, "CUTLASS initialize failed"};
+  }
+  if (gemm.run(p.stream) != cutlass::Status::kSuccess) {
+    return {false, "CUTLASS kernel launch failed"};
+  }
+  return {true, nullptr};
+}
+
+}  // namespace
+
+template <bool kTransposeA, bool kTransposeB, bool kOutF32>
+LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
+                        size_t* workspace_needed) {
+  switch (config) {
+    case GemmConfig::kCooperative128x256:
+      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Cooperative128x256>>(
+          problem, workspace_needed);
+    case GemmConfig::kPingpong64x128:
+      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x128>>(
+          problem, workspace_needed);
+    default:
+      return {false, "unknown det_gemm config"};
+  }
+}
+
+template LaunchStatus LaunchGemm<RLK_TA, RLK_TB, RLK_OUT_F32>(
+    const GemmProblem&, GemmConfig, size_t*);
+
+}  // namespace rlk

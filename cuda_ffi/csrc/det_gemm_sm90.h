@@ -1,0 +1,51 @@
+// The det_gemm SM90 kernels as the rest of the library sees them: a problem,
+// a config, and one launch function per (operand layout, output dtype). No
+// CUTLASS types leak out of here, so the FFI and C entry points compile fast.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace rlk {
+
+// C = op(A) @ op(B), all row-major and densely packed:
+//   A is [M, K], or [K, M] when transpose_a; B is [K, N], or [N, K] when
+//   transpose_b; C is [M, N]. bf16 operands, f32 accumulation.
+struct GemmProblem {
+  const void* a;
+  const void* b;
+  void* c;
+  int64_t m, n, k;
+  int sm_count;
+  void* workspace;
+  size_t workspace_bytes;
+  cudaStream_t stream;
+};
+
+// Kernel instantiations. Every one walks K in order, one 64-wide K tile after
+// another, into a single f32 accumulator per output element (no split-K, no
+// stream-K), so they all round identically: which one runs changes the
+// speed, never the bits (proven per config by the device tests).
+enum class GemmConfig : int {
+  kAuto = 0,
+  kCooperative128x256 = 1,  // 2x1 cluster: the large-M projections
+  kPingpong64x128 = 2,      // narrow tiles fill the SMs when M is small
+};
+
+// Deterministic, from the shape and the SM count only, so JAX and torch
+// callers of one problem always pick the same instantiation.
+GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count);
+
+// Status of a launch: ok, or a message (never a silent wrong answer).
+struct LaunchStatus {
+  bool ok;
+  const char* message;  // static storage
+};
+
+template <bool kTransposeA, bool kTransposeB, bool kOutF32>
+LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
+                        size_t* workspace_needed);
+
+}  // namespace rlk

@@ -1,0 +1,1 @@
+"""Runnable examples built on rlk_jax (not part of the installed package)."""

@@ -1,0 +1,80 @@
+"""cuda_ffi on a machine without a Hopper GPU: it imports, says why it is
+unavailable, rlk_jax never picks it, and its sources compile for sm_90a."""
+
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+import cuda_ffi
+import rlk_jax
+from cuda_ffi import build
+from conftest import ON_GPU
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU-machine view of cuda_ffi")
+def test_unavailable_on_cpu_with_the_reason():
+  reason = rlk_jax.implementations("det_gemm", platform="cpu")["cuda_ffi"]
+  assert reason == "needs a CUDA GPU (platform is 'cpu')"
+  assert rlk_jax.selected_implementation("det_gemm") == "xla"
+  with pytest.raises(RuntimeError, match="'cuda_ffi' is not available on "
+                                         "platform 'cpu': needs a CUDA GPU"):
+    rlk_jax.det_gemm(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.bfloat16),
+                     implementation="cuda_ffi")
+
+
+@pytest.mark.parametrize("args,reason", [
+    ((16, 64, 64, False, False, jnp.bfloat16, jnp.bfloat16), None),
+    ((3, 64, 64, True, False, jnp.bfloat16, jnp.float32), "A rows 3"),
+    ((16, 64, 60, False, False, jnp.bfloat16, jnp.bfloat16), "A rows 60"),
+    ((16, 64, 60, True, False, jnp.bfloat16, jnp.bfloat16), None),
+    ((16, 64, 60, True, True, jnp.bfloat16, jnp.bfloat16), "B rows 60"),
+    ((16, 60, 64, False, True, jnp.bfloat16, jnp.bfloat16), "C rows 60"),
+    ((16, 64, 64, False, False, jnp.float16, jnp.float16), "must be bfloat16"),
+    ((16, 64, 64, False, False, jnp.bfloat16, jnp.float16), "bfloat16 or float32"),
+    ((16, 64, 0, False, False, jnp.bfloat16, jnp.bfloat16), "empty reduction"),
+])
+def test_operand_reason_mirrors_the_tma_pitch_rules(args, reason):
+  got = cuda_ffi.operand_reason(*args)
+  if reason is None:
+    assert got is None
+  else:
+    assert reason in got
+
+
+def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+  monkeypatch.setattr(build.os.path, "expanduser", lambda p: str(tmp_path))
+  monkeypatch.setattr(build, "find_nvcc", build.find_nvcc)
+  monkeypatch.setattr(build.shutil, "which", lambda name: None)
+  real_access = build.os.access
+  monkeypatch.setattr(build.os, "access", lambda p, mode: (
+      False if str(p).endswith("nvcc") else real_access(p, mode)))
+  assert build.main([]) == 2
+  with pytest.raises(build.BuildUnavailable, match="nvcc not found"):
+    build.find_nvcc()
+
+
+def _toolchain_reason():
+  try:
+    build.find_nvcc()
+    build.find_cutlass()
+  except build.BuildUnavailable as e:
+    return str(e)
+  return None
+
+
+@pytest.mark.skipif(_toolchain_reason() is not None,
+                    reason=f"no CUDA toolchain here: {_toolchain_reason()}")
+def test_sources_compile_for_sm90a():
+  # Two variants cover both values of every template switch (operand layouts,
+  # output dtype); `python -m cuda_ffi.build --check` compiles all eight.
+  build.check(jobs=2, variants=[(0, 0, 0), (1, 1, 1)], log=lambda *_: None)
+
+
+def test_every_source_is_part_of_the_build():
+  sources = {p.name for p in build.CSRC.iterdir()}
+  assert sources == {"det_gemm_sm90.h", build.KERNEL_SOURCE.name,
+                     build.API_SOURCE.name}
+  assert pathlib.Path(build.KERNEL_SOURCE).is_file()

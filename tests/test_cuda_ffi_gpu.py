@@ -1,0 +1,225 @@
+"""det_gemm's SM90 CUTLASS implementation (``cuda_ffi``) on a Hopper GPU:
+invariance, cross-config and cross-implementation identity, the backward,
+errors, the torch route, sanitizers. Run with ``pytest -m gpu``."""
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cuda_ffi
+import rlk_jax
+from conftest import ON_GPU, assert_bitwise_equal, random_array
+
+ON_SM90 = ON_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not ON_SM90, reason="requires an SM90 GPU")]
+
+PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+               "down": (14336, 4096), "lm_head": (4096, 128256)}
+ROWS = (1, 2, 3, 16, 100, 128, 1000)
+CONFIGS = [c for c in cuda_ffi.CONFIGS if c != "auto"]
+
+
+def product(config, ta=False, tb=False, out=jnp.bfloat16):
+  return jax.jit(functools.partial(cuda_ffi.matmul, transpose_a=ta,
+                                   transpose_b=tb, out_dtype=out, config=config))
+
+
+def test_available_and_the_default_on_sm90():
+  # On Hopper with the toolchain present this must not be a silent fallback.
+  assert rlk_jax.implementations("det_gemm")["cuda_ffi"] is None
+  assert rlk_jax.selected_implementation("det_gemm") == "cuda_ffi"
+
+
+@pytest.mark.parametrize("k", [1024, 4096, 14336])
+def test_rows_invariant_and_configs_identical(k, rng):
+  n = 4096
+  a = random_array(rng, (4096, k), jnp.bfloat16)
+  b = random_array(rng, (k, n), jnp.bfloat16)
+  full = product("auto")(a, b)
+  for config in CONFIGS:  # every instantiation the library can pick
+    assert_bitwise_equal(product(config)(a, b), full, f"K={k} config {config}")
+  for m in ROWS:
+    start = int(rng.integers(0, 4096 - m + 1))
+    for config in ("auto", *CONFIGS):
+      assert_bitwise_equal(product(config)(a[start:start + m], b),
+                           full[start:start + m], f"K={k} M={m} {config}")
+  assert_bitwise_equal(product("auto")(a, b), full, "repeat run")
+
+
+@pytest.mark.parametrize("name", sorted(PROJECTIONS))
+def test_projections_invariant_accurate_and_same_bits_as_pallas(name, rng):
+  k, n = PROJECTIONS[name]
+  a = random_array(rng, (4096, k), jnp.bfloat16)
+  b = random_array(rng, (k, n), jnp.bfloat16)
+  gemm = jax.jit(functools.partial(rlk_jax.det_gemm, implementation="cuda_ffi"))
+  full = gemm(a, b)
+  for m in (1, 3, 16, 100):
+    start = int(rng.integers(0, 4096 - m + 1))
+    assert_bitwise_equal(gemm(a[start:start + m], b), full[start:start + m],
+                         f"{name} M={m}")
+  ref = jnp.dot(a[:64].astype(jnp.float32), b.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST)
+  err = float(jnp.linalg.norm(full[:64].astype(jnp.float32) - ref)
+              / jnp.linalg.norm(ref))
+  assert err < 1e-2, err
+  pallas = rlk_jax.det_gemm(a, b, implementation="pallas")
+  assert_bitwise_equal(full, pallas, f"{name}: cuda_ffi vs pallas")
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False),
+                                   (True, True)])
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_every_layout_and_output_matches_pallas(ta, tb, out, rng):
+  m, k, n = 264, 1032, 776  # ragged against every tile
+  a = random_array(rng, (k, m) if ta else (m, k), jnp.bfloat16)
+  b = random_array(rng, (n, k) if tb else (k, n), jnp.bfloat16)
+  for config in CONFIGS:
+    got = product(config, ta, tb, out)(a, b)
+    want = rlk_jax._det_gemm._matmul("pallas", ta, tb, jnp.dtype(out), a, b)
+    assert_bitwise_equal(got, want, f"ta={ta} tb={tb} {config}")
+  a64 = np.asarray(a, np.float64)
+  b64 = np.asarray(b, np.float64)
+  ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
+  err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+  assert err < (1e-5 if out == jnp.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("m", [1, 7, 100])
+def test_tiny_m_and_transpose_b_rows_match_pallas(m, rng):
+  k, n = 4096, 14336
+  a = random_array(rng, (m, k), jnp.bfloat16)
+  w = random_array(rng, (n, k), jnp.bfloat16)  # nn.Linear layout
+  got = rlk_jax.det_gemm(a, w, transpose_b=True, implementation="cuda_ffi")
+  want = rlk_jax.det_gemm(a, w, transpose_b=True, implementation="pallas")
+  assert_bitwise_equal(got, want, f"M={m}")
+
+
+def test_backward_deterministic_padding_inert_and_row_invariant(rng):
+  a = random_array(rng, (3000, 4096), jnp.bfloat16)
+  b = random_array(rng, (4096, 1024), jnp.bfloat16)
+  g = random_array(rng, (3000, 1024), jnp.bfloat16)
+
+  @jax.jit
+  def grads(a, g):
+    return jax.vjp(functools.partial(rlk_jax.det_gemm, implementation="cuda_ffi"),
+                   a, b)[1](g)
+
+  da, db = grads(a, g)
+  pad = 1096
+  da_pad, db_pad = grads(jnp.concatenate([a, jnp.zeros((pad, 4096), a.dtype)]),
+                         jnp.concatenate([g, jnp.zeros((pad, 1024), g.dtype)]))
+  assert_bitwise_equal(db_pad, db, "dB with appended zero rows")
+  assert_bitwise_equal(da_pad[:3000], da, "dA rows")
+  assert_bitwise_equal(grads(a, g)[1], db, "repeat run")
+  da_17, _ = grads(a[100:117], g[100:117])
+  assert_bitwise_equal(da_17, da[100:117], "dA rows of M=17")
+  ref_db = np.asarray(a, np.float64).T @ np.asarray(g, np.float64)
+  err = np.linalg.norm(np.asarray(db, np.float64) - ref_db) / np.linalg.norm(ref_db)
+  assert err < 1e-2, err
+  # The same products as the pallas VJP: the same bits.
+  p_da, p_db = jax.vjp(functools.partial(rlk_jax.det_gemm, implementation="pallas"),
+                       a, b)[1](g)
+  assert_bitwise_equal(da, p_da, "dA vs pallas")
+  assert_bitwise_equal(db, p_db, "dB vs pallas")
+
+
+def test_jit_vmap_grad(rng):
+  a = random_array(rng, (3, 40, 256), jnp.bfloat16)
+  b = random_array(rng, (256, 128), jnp.bfloat16)
+  f = functools.partial(rlk_jax.det_gemm, implementation="cuda_ffi")
+  batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(a, b)
+  assert_bitwise_equal(batched, f(a, b))
+  loss = lambda a, b: f(a, b, out_dtype=jnp.float32).sum()
+  da, db = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+  assert da.shape == a.shape and db.shape == b.shape
+  assert bool(jnp.isfinite(da.astype(jnp.float32)).all())
+
+
+def test_auto_falls_back_where_the_kernel_cannot_and_named_raises(rng):
+  a = random_array(rng, (64, 1001), jnp.bfloat16)  # K not a multiple of 8
+  b = random_array(rng, (1001, 256), jnp.bfloat16)
+  plan = rlk_jax._det_gemm.plan(a, b)
+  assert plan.implementation == "pallas"
+  with pytest.raises(ValueError, match=r"cuda_ffi.*cannot take these operands.*"
+                                       r"multiples of 8"):
+    rlk_jax.det_gemm(a, b, implementation="cuda_ffi")
+  with pytest.raises(ValueError, match="operands must be bfloat16"):
+    rlk_jax.det_gemm(a.astype(jnp.float16)[:, :1000],
+                     b.astype(jnp.float16)[:1000], implementation="cuda_ffi")
+  # The library checks again itself: a raw FFI call with bad pitches errors.
+  with pytest.raises(Exception, match="multiples of 16"):
+    jax.block_until_ready(product("auto")(a, b))
+
+
+def test_torch_route_same_bits_and_gradients(rng):
+  torch = pytest.importorskip("torch")
+  import rlk_torch_bridge as rtb
+  a = random_array(rng, (300, 4096), jnp.bfloat16)
+  w = random_array(rng, (1024, 4096), jnp.bfloat16)
+  g = random_array(rng, (300, 1024), jnp.bfloat16)
+  ta, tw, tg = (torch.from_dlpack(jnp.array(x, copy=True)) for x in (a, w, g))
+  ta.requires_grad_()
+  tw.requires_grad_()
+  torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+  try:
+    out = rtb.det_gemm(ta, tw, transpose_b=True)
+    out.backward(tg)
+  finally:
+    torch.cuda.set_sync_debug_mode("default")
+  f = functools.partial(rlk_jax.det_gemm, transpose_b=True,
+                        implementation="cuda_ffi")
+  want, vjp = jax.vjp(f, a, w)
+  da, dw = vjp(g)
+  as_np = lambda t: np.asarray(jnp.asarray(t.detach()))
+  assert_bitwise_equal(as_np(out), want)
+  assert_bitwise_equal(as_np(ta.grad), da)
+  assert_bitwise_equal(as_np(tw.grad), dw)
+
+
+# Small ragged problems through the library's C entry (torch owns memory and
+# stream), every config, every layout.
+SANITIZE_SCRIPT = textwrap.dedent("""
+    import torch, cuda_ffi
+    torch.manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    for (m, k, n) in ((8, 256, 136), (136, 264, 520)):
+      for ta in (False, True):
+        for tb in (False, True):
+          a = torch.randn((k, m) if ta else (m, k), device="cuda", dtype=torch.bfloat16)
+          b = torch.randn((n, k) if tb else (k, n), device="cuda", dtype=torch.bfloat16)
+          ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
+          for config in ("pingpong_64x128", "cooperative_128x256"):
+            c = torch.empty(m, n, device="cuda", dtype=torch.float32)
+            cuda_ffi.launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k,
+                            transpose_a=ta, transpose_b=tb, out_f32=True,
+                            stream=stream, config=config)
+            assert ((c.double() - ref).norm() / ref.norm()) < 1e-5, (m, ta, tb, config)
+    torch.cuda.synchronize()
+    print("sanitized ok")
+""")
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool, tmp_path):
+  sanitizer = "/usr/local/cuda/bin/compute-sanitizer"
+  if not os.access(sanitizer, os.X_OK):
+    pytest.skip("compute-sanitizer not installed on this machine")
+  script = tmp_path / "sanitize.py"
+  script.write_text(SANITIZE_SCRIPT)
+  cuda_ffi.library()  # build before, not under, the sanitizer
+  done = subprocess.run(
+      [sanitizer, f"--tool={tool}", "--error-exitcode=1", sys.executable,
+       str(script)],
+      capture_output=True, text=True, timeout=540,
+      env={**os.environ, "RLK_CUDA_FFI_AUTOBUILD": "0"})
+  log = done.stdout + done.stderr
+  assert done.returncode == 0 and "sanitized ok" in done.stdout, log[-3000:]
+  assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log, log[-3000:]
