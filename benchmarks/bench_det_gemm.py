@@ -58,7 +58,7 @@ def run(smoke: bool) -> list[Row]:
       ms = harness.time_torch(lambda ta: torch.matmul(ta, tb),
                               [(torch.from_dlpack(a),) for a in a_sets])
       peer = flops / ms / 1e9
-      rows.append(Row(BENCH, case, "cublas", ms, tflops=peer))
+      rows.append(harness.progress(Row(BENCH, case, "cublas", ms, tflops=peer)))
     rows.append(harness.timed_row(
         BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b),
         [(a, b) for a in a_sets], flops=flops))

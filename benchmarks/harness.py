@@ -114,7 +114,7 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
 
 
 def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
-              flops=None, floor_ms=None, note="") -> Row:
+              flops=None, floor_ms=None, note="", peak_mem_mb=None) -> Row:
   """Times `fn` into a Row; a competitor that fails is recorded as a row with
   the error and no time, so one broken competitor does not hide the rest."""
   try:
@@ -126,9 +126,17 @@ def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
     row = Row(benchmark, case, implementation, ms,
               nbytes / ms / 1e6 if nbytes else None, floor_ms, note=note,
               tflops=flops / ms / 1e9 if flops else None)
-  # Progress, and a record if a time limit stops the run before the report.
-  print(f"  {case} | {implementation} | {row.median_ms} ms | "
-        f"{row.tflops or row.gbps or ''} | {row.note}", file=sys.stderr, flush=True)
+  row.peak_mem_mb = peak_mem_mb
+  return progress(row)
+
+
+def progress(row: Row) -> Row:
+  """Prints a row as soon as it is measured: progress, and a record if a
+  time limit stops the run before the report is written."""
+  peak = f" | peak {row.peak_mem_mb:.1f} MB" if row.peak_mem_mb is not None else ""
+  print(f"  {row.case} | {row.implementation} | {row.median_ms} ms | "
+        f"{row.tflops or row.gbps or ''}{peak} | {row.note}", file=sys.stderr,
+        flush=True)
   return row
 
 

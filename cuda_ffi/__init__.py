@@ -24,7 +24,8 @@ from cuda_ffi import build as _build
 FFI_TARGET = "rlk_det_gemm_sm90"
 # Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
 # shape. Every config gives the same bits (device-tested).
-CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2}
+CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
+           "pingpong_64x32": 3}
 
 _log = logging.getLogger("rlk.cuda_ffi")
 _lock = threading.Lock()

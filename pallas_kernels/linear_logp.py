@@ -34,6 +34,38 @@ class LogpConfig:
 DEFAULT_CONFIG = LogpConfig()
 
 
+def _online_update(carry, logits, col_ids, col_in, target, temperature):
+  """One ``[bm, bn]`` logits tile into the running (max, sum of exp,
+  target logit, sum of exp * logit) of each row, in f32. Both kernels below
+  walk the vocabulary through this one update, tile after tile, in order."""
+  m, s, picked, weighted = carry
+  logits = logits / jnp.float32(temperature)
+  logits = jnp.where(col_in[None, :], logits, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+  scale = jnp.exp(m - m_new)
+  e = jnp.exp(logits - m_new[:, None])
+  finite = jnp.where(col_in[None, :], logits, 0.0)
+  s = s * scale + jnp.sum(e, axis=1)
+  weighted = weighted * scale + jnp.sum(e * finite, axis=1)
+  picked = picked + jnp.sum(
+      jnp.where(col_ids[None, :] == target[:, None], finite, 0.0), axis=1)
+  return m_new, s, picked, weighted
+
+
+def _initial_stats(bm):
+  return (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
+          jnp.zeros((bm,), jnp.float32), jnp.zeros((bm,), jnp.float32))
+
+
+def finish(stats, targets, v):
+  """(logp, lse, entropy) from the final running stats; a target outside
+  [0, V) gives log-prob 0."""
+  m, s, picked, weighted = stats
+  lse = m + jnp.log(s)
+  valid = (targets >= 0) & (targets < v)
+  return jnp.where(valid, picked - lse, 0.0), lse, lse - weighted / s
+
+
 def _kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, ent_ref, *, n, hdim, v,
             temperature, cfg):
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -43,35 +75,71 @@ def _kernel(h_ref, w_ref, t_ref, logp_ref, lse_ref, ent_ref, *, n, hdim, v,
   target = pltriton.load(t_ref.at[rows], mask=row_in, other=jnp.int32(-1))
 
   def vocab_step(j, carry):
-    m, s, picked, weighted = carry
     c0 = j * bn
     col_ids = c0 + jnp.arange(bn, dtype=jnp.int32)
-    col_in = col_ids < v
-
     logits = tile_product(h_ref, w_ref, r0, c0, m=n, n=v, k=hdim, block_m=bm,
                           block_n=bn, block_k=bk)
-    logits = logits / jnp.float32(temperature)
-    logits = jnp.where(col_in[None, :], logits, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-    scale = jnp.exp(m - m_new)
-    e = jnp.exp(logits - m_new[:, None])
-    finite = jnp.where(col_in[None, :], logits, 0.0)
-    s = s * scale + jnp.sum(e, axis=1)
-    weighted = weighted * scale + jnp.sum(e * finite, axis=1)
-    picked = picked + jnp.sum(
-        jnp.where(col_ids[None, :] == target[:, None], finite, 0.0), axis=1)
-    return m_new, s, picked, weighted
+    return _online_update(carry, logits, col_ids, col_ids < v, target,
+                          temperature)
 
-  init = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
-          jnp.zeros((bm,), jnp.float32), jnp.zeros((bm,), jnp.float32))
-  m, s, picked, weighted = jax.lax.fori_loop(
-      jnp.int32(0), jnp.int32(pl.cdiv(v, bn)), vocab_step, init)
-  lse = m + jnp.log(s)
-  valid = (target >= 0) & (target < v)
-  pltriton.store(logp_ref.at[rows], jnp.where(valid, picked - lse, 0.0),
-                 mask=row_in)
-  pltriton.store(lse_ref.at[rows], lse, mask=row_in)
-  pltriton.store(ent_ref.at[rows], lse - weighted / s, mask=row_in)
+  stats = jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(v, bn)),
+                            vocab_step, _initial_stats(bm))
+  for ref, value in zip((logp_ref, lse_ref, ent_ref), finish(stats, target, v)):
+    pltriton.store(ref.at[rows], value, mask=row_in)
+
+
+def _stats_kernel(x_ref, t_ref, m_ref, s_ref, p_ref, w_ref, m_out, s_out,
+                  p_out, w_out, *, n, c, temperature, cfg):
+  # The outputs alias the stats inputs: each row block reads its stats, folds
+  # the chunk in, and writes them back in place.
+  bm, bn = cfg.block_m, cfg.block_n
+  r0 = pl.program_id(0) * bm
+  rows = pl.ds(r0, bm)
+  row_in = r0 + jnp.arange(bm, dtype=jnp.int32) < n
+  target = pltriton.load(t_ref.at[rows], mask=row_in, other=jnp.int32(-1))
+  carry = tuple(pltriton.load(ref.at[rows], mask=row_in, other=0.0)
+                for ref in (m_ref, s_ref, p_ref, w_ref))
+
+  def column_step(j, carry):
+    c0 = j * bn
+    col_ids = c0 + jnp.arange(bn, dtype=jnp.int32)
+    col_in = col_ids < c
+    tile = pltriton.load(x_ref.at[rows, pl.ds(c0, bn)],
+                         mask=row_in[:, None] & col_in[None, :], other=0.0)
+    return _online_update(carry, tile, col_ids, col_in, target, temperature)
+
+  carry = jax.lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(c, bn)),
+                            column_step, carry)
+  for ref, value in zip((m_out, s_out, p_out, w_out), carry):
+    pltriton.store(ref.at[rows], value, mask=row_in)
+
+
+def initial_stats(n):
+  """Running stats of N rows before any logits: ``update_stats`` input."""
+  return _initial_stats(n)
+
+
+def update_stats(logits, targets, stats, *, temperature: float = 1.0,
+                 interpret: bool = False, config: LogpConfig = DEFAULT_CONFIG):
+  """Folds a chunk of precomputed f32 logits ``[N, C]`` into the running
+  stats (a 4-tuple of f32 ``[N]``, from :func:`initial_stats` or an earlier
+  call); `targets` int32 ``[N]`` are column indices into this chunk (outside
+  [0, C): no hit). Chunks folded in vocabulary order, with C a multiple of
+  ``config.block_n``, walk the same tiles in the same order as the fused
+  kernel. :func:`finish` turns the final stats into (logp, lse, entropy)."""
+  if pltriton is None:
+    raise RuntimeError(IMPORT_ERROR)
+  n, c = logits.shape
+  kernel = functools.partial(_stats_kernel, n=n, c=c,
+                             temperature=float(temperature), cfg=config)
+  out = jax.ShapeDtypeStruct((n,), jnp.float32)
+  return pl.pallas_call(
+      kernel, out_shape=(out,) * 4, grid=(pl.cdiv(n, config.block_m),),
+      input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3}, interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      name="rlk_logits_stats",
+  )(logits, targets, *stats)
 
 
 def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,

@@ -1,8 +1,10 @@
 """linear_logp: per-token log-probs of targets from hidden states and the LM
 head, in f32, without holding the [N, V] logits, batch-invariant bitwise.
 
-The forward is one fused pass (``pallas``) or the column-by-column reference
-(``xla``). The backward recomputes the logits a vocabulary chunk at a time
+The forward is one fused pass (``pallas``), chunks of f32 logits from the
+SM90 det_gemm folded into the same online logsumexp by a small Pallas kernel
+(``cuda_ffi``: one ``[N, chunk_size]`` block at a time), or the
+column-by-column reference (``xla``). The backward recomputes the logits a vocabulary chunk at a time
 with det_gemm: ``dlogits = g·(onehot - p) - g_ent·p·(logit - E[logit])``, then
 ``dh += dlogits @ W_cᵀ`` and ``dW_c = hᵀ @ dlogits`` (fixed chunk order, fixed
 row order), so only one ``[N, chunk]`` block lives at a time.
@@ -16,37 +18,71 @@ import math
 import jax
 import jax.numpy as jnp
 
+import cuda_ffi
 from pallas_kernels import linear_logp as logp_kernel
 from rlk_jax import _det_gemm, _dispatch, reference
 
 IGNORE_INDEX = -100
 
 
-def _pallas(hidden, weight, targets, temperature, *, interpret):
+def _reference(hidden, weight, targets, temperature, chunk_size):
+  del chunk_size  # the oracle holds all the logits
+  return reference.linear_logp(hidden, weight, targets, temperature)
+
+
+def _pallas(hidden, weight, targets, temperature, chunk_size, *, interpret):
+  del chunk_size  # fused: no logits block at all
   return logp_kernel.linear_logp(hidden, weight, targets,
                                  temperature=temperature, interpret=interpret)
 
 
+def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
+  # The logits of one vocabulary chunk at a time come from the SM90 det_gemm
+  # (row-invariant); the stats kernel folds them into each row's running
+  # logsumexp in vocabulary order, tile by tile, inside one program per row
+  # block: a row's result never depends on the other rows.
+  v = weight.shape[1]
+  stats = logp_kernel.initial_stats(hidden.shape[0])
+  for c0 in range(0, v, chunk_size):  # a fixed order: the same every call
+    logits = _det_gemm.det_gemm(hidden, weight[:, c0:c0 + chunk_size],
+                                out_dtype=jnp.float32,
+                                implementation="cuda_ffi")
+    stats = logp_kernel.update_stats(logits, targets - c0, stats,
+                                     temperature=temperature)
+  return logp_kernel.finish(stats, targets, v)
+
+
+def _sm90_operands(n, h, v, dtype, chunk_size):
+  if chunk_size % 8:
+    return f"chunk_size={chunk_size} must be a multiple of 8 (TMA rows)"
+  return cuda_ffi.operand_reason(n, v, h, False, False, dtype, jnp.float32)
+
+
 TABLE = _dispatch.register_reference_and_pallas(
     "linear_logp",
-    reference=reference.linear_logp,
+    reference=_reference,
     reference_doc="K-loop logits, column-by-column logsumexp: the oracle, "
                   "CPU default",
     pallas=_pallas,
     pallas_doc="fused row-block kernel: det_matmul K loop + online logsumexp",
+    gpu_first=[_dispatch.Implementation(
+        "cuda_ffi", _chunked_sm90, cuda_ffi.unavailable_reason,
+        "SM90 det_gemm logits per vocabulary chunk + a Pallas online "
+        "logsumexp kernel (Hopper; bf16, H and V multiples of 8)",
+        operand_check=_sm90_operands)],
 )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _logp(impl, temperature, chunk_size, hidden, weight, targets):
   logp, _, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
-                                                    temperature)
+                                                    temperature, chunk_size)
   return logp, entropy
 
 
 def _logp_fwd(impl, temperature, chunk_size, hidden, weight, targets):
   logp, lse, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
-                                                      temperature)
+                                                      temperature, chunk_size)
   return (logp, entropy), (hidden, weight, targets, lse, entropy)
 
 
@@ -90,18 +126,22 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
     targets: integer ``[...]``; `ignore_index` (and any id outside [0, V))
       gives log-prob 0 and no gradient.
     temperature: static; logits are divided by it.
-    chunk_size: vocabulary chunk of the backward (peak extra memory
-      ``N x chunk_size`` f32).
+    chunk_size: vocabulary chunk of the backward, and of the ``cuda_ffi``
+      forward (peak extra memory about ``N x chunk_size`` f32).
     return_entropy: also return the entropy of each row's distribution.
+    implementation: None (the first of ``cuda_ffi``, ``pallas``, ``xla``
+      available here that takes these operands; ``cuda_ffi`` needs an SM90
+      GPU, bf16, H, V and chunk_size multiples of 8) or one of those names.
 
   Each row's result is bitwise the same whatever other rows are in the batch
   (per implementation and device).
   """
   hidden, weight, targets = map(jnp.asarray, (hidden, weight, targets))
   _check(hidden, weight, targets, temperature, chunk_size)
-  impl = TABLE.select(implementation).name
   lead = hidden.shape[:-1]
   n = math.prod(lead)
+  impl = TABLE.select(implementation, operands=(
+      n, weight.shape[0], weight.shape[1], hidden.dtype, int(chunk_size))).name
   t = jnp.where(targets == ignore_index, -1, targets).astype(jnp.int32)
   logp, entropy = _logp(impl, float(temperature), int(chunk_size),
                         hidden.reshape(n, hidden.shape[-1]), weight,

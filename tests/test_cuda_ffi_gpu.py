@@ -196,7 +196,7 @@ SANITIZE_SCRIPT = textwrap.dedent("""
           a = torch.randn((k, m) if ta else (m, k), device="cuda", dtype=torch.bfloat16)
           b = torch.randn((n, k) if tb else (k, n), device="cuda", dtype=torch.bfloat16)
           ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
-          for config in ("pingpong_64x128", "cooperative_128x256"):
+          for config in [c for c in cuda_ffi.CONFIGS if c != "auto"]:
             c = torch.empty(m, n, device="cuda", dtype=torch.float32)
             cuda_ffi.launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k,
                             transpose_a=ta, transpose_b=tb, out_f32=True,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rlk_jax
+from rlk_jax import reference
 from conftest import assert_bitwise_equal, random_array
 
 V = 1000  # not a multiple of any block or chunk
@@ -121,3 +122,34 @@ def test_bad_inputs(rng):
     rlk_jax.linear_logp(hidden.astype(jnp.float32), weight, targets)
   with pytest.raises(ValueError, match="temperature must be > 0"):
     rlk_jax.linear_logp(hidden, weight, targets, temperature=0.0)
+
+
+@pytest.mark.parametrize("chunk", [128, 384])
+def test_chunked_stats_fold_matches_the_oracle_and_is_row_invariant(chunk, rng):
+  # The cuda_ffi forward's second half: precomputed logits folded chunk by
+  # chunk (here from the reference K loop; the kernel runs interpreted).
+  from pallas_kernels import linear_logp as logp_kernel
+  n, h, v = 37, 64, 1000
+  hidden = random_array(rng, (n, h), jnp.float32) / 4
+  weight = random_array(rng, (h, v), jnp.float32) / 8
+  targets = jnp.asarray(rng.integers(-1, v, n), jnp.int32)
+
+  def fold(hidden, targets):
+    logits = reference.det_matmul(hidden, weight, out_dtype=jnp.float32)
+    stats = logp_kernel.initial_stats(hidden.shape[0])
+    for c0 in range(0, v, chunk):
+      stats = logp_kernel.update_stats(logits[:, c0:c0 + chunk], targets - c0,
+                                       stats, temperature=0.7, interpret=True)
+    return logp_kernel.finish(stats, targets, v)
+
+  got = fold(hidden, targets)
+  logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64) / 0.7
+  lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+  p = np.exp(logits - lse[:, None])
+  t = np.asarray(targets)
+  logp = np.where(t >= 0, logits[np.arange(n), np.clip(t, 0, None)] - lse, 0.0)
+  for g, w in zip(got, (logp, lse, lse - (p * logits).sum(1))):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+  alone = fold(hidden[5:8], targets[5:8])
+  for g, a in zip(got, alone):
+    assert_bitwise_equal(a, g[5:8])

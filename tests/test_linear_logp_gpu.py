@@ -1,5 +1,7 @@
 """linear_logp on a CUDA GPU at real sizes (run with `pytest -m gpu`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,15 +14,23 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
 
 
+GPU_IMPLS = [name for name, why in rlk_jax.implementations("linear_logp").items()
+             if name != "xla" and (why is None or name == "pallas")]
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("vocab", [32000, 151936])
-def test_rows_invariant_and_accurate_at_size(vocab, rng):
+def test_rows_invariant_and_accurate_at_size(impl, vocab, rng):
   hidden = random_array(rng, (2048, 4096), jnp.bfloat16) / 3
   weight = (random_array(rng, (4096, vocab), jnp.float32) * 0.01).astype(jnp.bfloat16)
   targets = jnp.asarray(rng.integers(0, vocab, 2048), jnp.int32)
-  f = jax.jit(rlk_jax.linear_logp)
+  f = jax.jit(functools.partial(rlk_jax.linear_logp, implementation=impl))
   full = f(hidden, weight, targets)
-  for m in (1, 3, 64):
-    assert_bitwise_equal(f(hidden[:m], weight, targets[:m]), full[:m], f"M={m}")
+  for m in (1, 3, 64, 1000):
+    start = int(rng.integers(0, 2048 - m + 1))
+    rows = slice(start, start + m)
+    assert_bitwise_equal(f(hidden[rows], weight, targets[rows]), full[rows],
+                         f"M={m} at row {start}")
   logits = jnp.dot(hidden[:64].astype(jnp.float32), weight.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   ref = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:64, None], 1)[:, 0]
@@ -28,12 +38,20 @@ def test_rows_invariant_and_accurate_at_size(vocab, rng):
   assert (np.asarray(full) <= 0).all()
 
 
-def test_gradients_deterministic_at_size(rng):
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_gradients_deterministic_at_size(impl, rng):
   hidden = random_array(rng, (1024, 4096), jnp.bfloat16) / 3
   weight = (random_array(rng, (4096, 32000), jnp.float32) * 0.01).astype(jnp.bfloat16)
   targets = jnp.asarray(rng.integers(0, 32000, 1024), jnp.int32)
-  grad = jax.jit(jax.grad(lambda h, w: jnp.sum(rlk_jax.linear_logp(h, w, targets)),
-                          argnums=(0, 1)))
+  grad = jax.jit(jax.grad(lambda h, w: jnp.sum(rlk_jax.linear_logp(
+      h, w, targets, implementation=impl)), argnums=(0, 1)))
   a, b = grad(hidden, weight), grad(hidden, weight)
   assert_bitwise_equal(a[0], b[0])
   assert_bitwise_equal(a[1], b[1])
+
+
+def test_sm90_default_on_hopper():
+  # On Hopper the chunked SM90 path must be available, not silently skipped.
+  if getattr(jax.devices()[0], "compute_capability", "") != "9.0":
+    pytest.skip("not an SM90 GPU")
+  assert rlk_jax.selected_implementation("linear_logp") == "cuda_ffi"

@@ -17,11 +17,16 @@ namespace ffi = xla::ffi;
 namespace rlk {
 
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
-  // The 128x256 tiles win once they give every SM work (a full wave); below
-  // that, 64x128 tiles spread a small M over more SMs.
-  const int64_t big_tiles = ((m + 127) / 128) * ((n + 255) / 256);
-  return big_tiles >= sm_count ? GemmConfig::kCooperative128x256
-                               : GemmConfig::kPingpong64x128;
+  // The widest tiles that still give every SM an output tile (a full wave):
+  // 128x256 for the large-M projections; 64x128 when M is small; 64x32 for
+  // decode, where the time is reading B and more, narrower tiles spread that
+  // read over more SMs (K is never split: that would change the bits).
+  auto tiles = [&](int64_t bm, int64_t bn) {
+    return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
+  };
+  if (tiles(128, 256) >= sm_count) return GemmConfig::kCooperative128x256;
+  if (tiles(64, 128) >= sm_count) return GemmConfig::kPingpong64x128;
+  return GemmConfig::kPingpong64x32;
 }
 
 namespace {
@@ -84,7 +89,7 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
                   (long long)m, (long long)n, (long long)k);
     return buf;
   }
-  if (config < 0 || config > 2) {
+  if (config < 0 || config > 3) {
     std::snprintf(buf, sizeof buf, "rlk cuda_ffi det_gemm: unknown config %lld",
                   (long long)config);
     return buf;

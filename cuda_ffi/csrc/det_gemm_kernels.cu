@@ -35,6 +35,13 @@ struct Pingpong64x128 {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
+struct Pingpong64x32 {
+  using Tile = Shape<_64, _32, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
 // Row-major storage in our terms, as CUTLASS layout tags: A [M, K] is
 // K-major (RowMajor), A stored [K, M] is M-major (ColumnMajor); CUTLASS reads
 // B as K x N, so B [K, N] is RowMajor and B stored [N, K] is ColumnMajor.
@@ -132,6 +139,9 @@ LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
           problem, workspace_needed);
     case GemmConfig::kPingpong64x128:
       return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x128>>(
+          problem, workspace_needed);
+    case GemmConfig::kPingpong64x32:
+      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x32>>(
           problem, workspace_needed);
     default:
       return {false, "unknown det_gemm config"};
