@@ -62,8 +62,9 @@ def _row(case, name, fn, arg_sets, flops, dense: Row | None) -> Row:
     peak, note = _temporaries_mb(fn, *arg_sets[0]), ""
   except Exception as e:  # noqa: BLE001 - a missing figure, reported
     peak, note = None, f"memory_analysis failed: {type(e).__name__}"
+  # Calls of 10-200 ms: a few per sample are plenty.
   row = harness.timed_row(BENCH, case, name, fn, arg_sets, flops=flops,
-                          peak_mem_mb=peak, note=note)
+                          peak_mem_mb=peak, note=note, iters=2)
   if (dense is not None and dense.median_ms and row.median_ms
       and peak is not None and dense.peak_mem_mb):
     row.note = (f"{row.median_ms / dense.median_ms:.2f}x time, "
@@ -96,13 +97,14 @@ def _torch_row(case, hidden, weight, targets, flops, backward: bool) -> Row | No
     call(th, tw, tt)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = harness.time_torch(call, [(th, tw, tt)], iters=5)
+    ms = harness.time_torch(call, [(th, tw, tt)], iters=2)
   except Exception as e:  # noqa: BLE001
     return Row(BENCH, case, name, note=f"FAILED: {type(e).__name__}: {e}"[:160])
   finally:
     torch.cuda.empty_cache()
-  return Row(BENCH, case, name, ms, tflops=flops / ms / 1e9, peak_mem_mb=peak,
-             note="peak allocated beyond inputs")
+  return harness.progress(Row(BENCH, case, name, ms, tflops=flops / ms / 1e9,
+                             peak_mem_mb=peak,
+                             note="peak allocated beyond inputs"))
 
 
 def _vocab_rows(cfg, smoke) -> list[Row]:

@@ -114,11 +114,12 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
 
 
 def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
-              flops=None, floor_ms=None, note="", peak_mem_mb=None) -> Row:
+              flops=None, floor_ms=None, note="", peak_mem_mb=None,
+              iters: int = 10) -> Row:
   """Times `fn` into a Row; a competitor that fails is recorded as a row with
   the error and no time, so one broken competitor does not hide the rest."""
   try:
-    ms = time_jax(fn, arg_sets)
+    ms = time_jax(fn, arg_sets, iters=iters)
   except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
     row = Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}: "
               f"{str(e).splitlines()[0][:120] if str(e) else ''}")

@@ -91,23 +91,41 @@ def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
   g_logp, g_ent = cotangents
   v = weight.shape[1]
   mean_logit = lse - entropy
-  valid = ((targets >= 0) & (targets < v)).astype(jnp.float32)
-  dh = jnp.zeros(hidden.shape, jnp.float32)
-  dw_chunks = []
-  for c0 in range(0, v, chunk_size):  # a fixed order: the same every call
-    w_c = weight[:, c0:c0 + chunk_size]
+  g_picked = g_logp * ((targets >= 0) & (targets < v)).astype(jnp.float32)
+
+  def chunk_grads(c0, w_c):
     logits = _det_gemm.det_gemm(hidden, w_c, out_dtype=jnp.float32,
                                 implementation=impl) / jnp.float32(temperature)
     p = jnp.exp(logits - lse[:, None])
     onehot = targets[:, None] == c0 + jnp.arange(w_c.shape[1], dtype=jnp.int32)
-    dlogits = (g_logp * valid)[:, None] * (onehot - p)
+    dlogits = g_picked[:, None] * (onehot - p)
     dlogits = dlogits - g_ent[:, None] * p * (logits - mean_logit[:, None])
     dlogits = (dlogits / jnp.float32(temperature)).astype(hidden.dtype)
-    dh = dh + _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
-                                 out_dtype=jnp.float32, implementation=impl)
-    dw_chunks.append(_det_gemm._matmul(impl, True, False, weight.dtype,
-                                       hidden, dlogits))
-  return dh.astype(hidden.dtype), jnp.concatenate(dw_chunks, axis=1), None
+    dh_c = _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
+                              out_dtype=jnp.float32, implementation=impl)
+    return dh_c, _det_gemm._matmul(impl, True, False, weight.dtype, hidden,
+                                   dlogits)
+
+  # A scan, not an unrolled loop: XLA could otherwise schedule several
+  # chunks' [N, chunk] blocks at once. Chunks run in vocabulary order and dh
+  # sums them in that order: the same every call.
+  def step(carry, i):
+    dh, dw = carry
+    c0 = i * chunk_size
+    dh_c, dw_c = chunk_grads(c0, jax.lax.dynamic_slice_in_dim(
+        weight, c0, chunk_size, axis=1))
+    return (dh + dh_c, jax.lax.dynamic_update_slice_in_dim(dw, dw_c, c0,
+                                                           axis=1)), None
+
+  full = v // chunk_size
+  carry = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight))
+  carry, _ = jax.lax.scan(step, carry, jnp.arange(full, dtype=jnp.int32))
+  dh, dw = carry
+  if v % chunk_size:
+    c0 = full * chunk_size
+    dh_c, dw_c = chunk_grads(c0, weight[:, c0:])
+    dh, dw = dh + dh_c, dw.at[:, c0:].set(dw_c)
+  return dh.astype(hidden.dtype), dw, None
 
 
 _logp.defvjp(_logp_fwd, _logp_bwd)
