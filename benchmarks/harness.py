@@ -66,6 +66,10 @@ def device_name() -> str:
 
 
 def commit() -> str:
+  # The device machine runs a copy of the working tree whose .git may lag
+  # behind it: there the caller names the commit (scripts/gpu_suite.sh).
+  if os.environ.get("RLK_COMMIT", "unknown") != "unknown":
+    return os.environ["RLK_COMMIT"]
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,

@@ -118,9 +118,9 @@ def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
                                                            axis=1)), None
 
   full = v // chunk_size
-  carry = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight))
-  carry, _ = jax.lax.scan(step, carry, jnp.arange(full, dtype=jnp.int32))
-  dh, dw = carry
+  dh, dw = jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight)
+  if full:  # (a scan traces its body even for zero steps)
+    (dh, dw), _ = jax.lax.scan(step, (dh, dw), jnp.arange(full, dtype=jnp.int32))
   if v % chunk_size:
     c0 = full * chunk_size
     dh_c, dw_c = chunk_grads(c0, weight[:, c0:])

@@ -1,5 +1,7 @@
 """det_gemm on a CUDA GPU at real sizes (run with `pytest -m gpu`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,18 +46,27 @@ def test_no_tf32_for_float32(rng):
   assert err < 1e-5, err  # TF32 lands near 3e-4
 
 
-def test_weight_gradient_padding_inert_at_size(rng):
+@pytest.mark.parametrize("impl", ["pallas", "cuda_ffi"])
+def test_weight_gradient_padding_inert_at_size(impl, rng):
+  if rlk_jax.implementations("det_gemm")[impl] is not None:
+    pytest.skip(rlk_jax.implementations("det_gemm")[impl])  # cuda_ffi off Hopper
   a = random_array(rng, (3000, 4096), jnp.bfloat16)
   b = random_array(rng, (4096, 1024), jnp.bfloat16)
   g = random_array(rng, (3000, 1024), jnp.bfloat16)
 
   @jax.jit
   def grads(a, g):
-    return jax.vjp(rlk_jax.det_gemm, a, b)[1](g)
+    return jax.vjp(functools.partial(rlk_jax.det_gemm, implementation=impl),
+                   a, b)[1](g)
 
   da, db = grads(a, g)
   da_pad, db_pad = grads(jnp.concatenate([a, jnp.zeros((1096, 4096), a.dtype)]),
                          jnp.concatenate([g, jnp.zeros((1096, 1024), g.dtype)]))
-  assert_bitwise_equal(db_pad, db)
-  assert_bitwise_equal(da_pad[:3000], da)
+  assert_bitwise_equal(db_pad, db, "dB with appended zero rows")
+  assert_bitwise_equal(da_pad[:3000], da, "dA rows")
   assert_bitwise_equal(grads(a, g)[1], db, "repeat run")
+  da_17, _ = grads(a[100:117], g[100:117])
+  assert_bitwise_equal(da_17, da[100:117], "dA rows of M=17")
+  ref_db = np.asarray(a, np.float64).T @ np.asarray(g, np.float64)
+  err = np.linalg.norm(np.asarray(db, np.float64) - ref_db) / np.linalg.norm(ref_db)
+  assert err < 1e-2, err

@@ -162,3 +162,40 @@ def test_import_leaves_user_preallocation_setting_alone():
   out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                        capture_output=True, text=True).stdout.strip()
   assert out == "true"
+
+
+def test_linear_logp_same_bits_and_gradients_as_jax(rng):
+  v, h = 50, 32
+  hidden = randn(rng, (2, 9, h)).requires_grad_()
+  weight = (randn(rng, (v, h)) / 8).requires_grad_()  # lm_head.weight [V, H]
+  targets = torch.from_numpy(rng.integers(0, v, (2, 9)))
+  targets[0, 3] = targets[1, 8] = -100
+  logp, entropy = rtb.linear_logp(hidden, weight, targets, temperature=0.8,
+                                  return_entropy=True)
+  g_logp, g_ent = randn(rng, (2, 9)), randn(rng, (2, 9))
+  torch.autograd.backward((logp, entropy), (g_logp, g_ent))
+  f = functools.partial(rlk_jax.linear_logp, targets=cpu(targets.to(torch.int32)),
+                        temperature=0.8, return_entropy=True, implementation="xla")
+  # Jitted like the bridge's calls: XLA's fusion (e.g. FMA contraction on
+  # CPUs) is part of what a compiled JAX op computes, so the reference is the
+  # jitted forward+VJP, not op-by-op eager JAX.
+  (want_logp, want_ent), vjp = jax.jit(lambda h, w: jax.vjp(f, h, w))(
+      cpu(hidden), cpu(weight.detach().T.contiguous()))
+  dh, dw = jax.jit(lambda vjp, g: vjp(g))(vjp, (cpu(g_logp), cpu(g_ent)))
+  assert_bitwise_equal(t2n(logp), np.asarray(want_logp))
+  assert_bitwise_equal(t2n(entropy), np.asarray(want_ent))
+  assert logp[0, 3] == 0 and logp[1, 8] == 0 and (logp <= 0).all()
+  assert_bitwise_equal(t2n(hidden.grad), np.asarray(dh))
+  assert_bitwise_equal(t2n(weight.grad), np.asarray(dw).T)
+  with torch.no_grad():  # the inference path: the same bits
+    assert torch.equal(rtb.linear_logp(hidden, weight, targets, temperature=0.8), logp)
+
+
+def test_linear_logp_errors(rng):
+  hidden, weight = randn(rng, (4, 8)), randn(rng, (10, 8))
+  with pytest.raises(ValueError, match=r"lm_head.weight \[V, H\], got shape \(80,\)"):
+    rtb.linear_logp(hidden, weight.reshape(-1), torch.zeros(4, dtype=torch.long))
+  with pytest.raises(TypeError, match="targets must be integers"):
+    rtb.linear_logp(hidden, weight, torch.zeros(4))
+  with pytest.raises(ValueError, match=r"hidden \(4, 7\) must end in H=8"):
+    rtb.linear_logp(randn(rng, (4, 7)), weight, torch.zeros(4, dtype=torch.long))
