@@ -17,8 +17,8 @@ import time
 
 from absl import app, flags
 
-from benchmarks import (bench_bridge, bench_det_gemm, bench_host, bench_logp,
-                        bench_pack, harness)
+from benchmarks import (bench_bridge, bench_det_gemm, bench_host,
+                        bench_invariance, bench_logp, bench_pack, harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -27,7 +27,12 @@ OUT = flags.DEFINE_string("out", None, "Output folder (default: "
 ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 
 BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
-              "logp": bench_logp, "host": bench_host, "bridge": bench_bridge}
+              "invariance": bench_invariance, "logp": bench_logp,
+              "host": bench_host, "bridge": bench_bridge}
+# The competitor each benchmark's "x peer" column divides by: what a user
+# would run instead of rlk.
+PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
+         "bridge": "rlk_jax"}
 
 
 def _default_out(smoke: bool) -> str:
@@ -53,7 +58,7 @@ def main(argv):
     start = time.perf_counter()
     rows = module.run(smoke)
     harness.write_csv(rows, csv_path)
-    table = harness.format_table(rows)
+    table = harness.format_table(rows, peer=PEERS.get(name))
     sections.append(f"## {name}\n\n{table}\n")
     print(f"[{i}/{len(chosen)}] {name} done in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -61,12 +66,27 @@ def main(argv):
             f"commit: {harness.commit()}  \ndate: {datetime.date.today()}  \n"
             f"mode: {'smoke' if smoke else 'full'}\n\n"
             "`x floor`: measured time over the byte floor (bytes moved at the "
-            "copy bandwidth measured in the same run).\n")
-  report = header + "\n" + "\n".join(sections)
+            "copy bandwidth measured in the same run). `x peer`: time over "
+            "the same case's peer (" + ", ".join(
+                f"{b}: {p}" for b, p in PEERS.items()) + ").\n")
+  report = header + "\n" + "\n".join(sections) + _plots(csv_path, out)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(report)
   print(report)
   print(f"wrote {csv_path} and {os.path.join(out, 'report.md')}")
+
+
+def _plots(csv_path: str, out: str) -> str:
+  """The report's figures (PNG beside it), or why there are none."""
+  try:
+    from benchmarks import plots
+    paths = plots.write_plots(csv_path, out)
+  except ImportError as e:
+    return f"\n## Plots\n\nnone: {e} (pip install matplotlib)\n"
+  except Exception as e:  # noqa: BLE001 - the numbers above still stand
+    return f"\n## Plots\n\nplotting failed: {type(e).__name__}: {e}\n"
+  return "\n## Plots\n\n" + "".join(
+      f"![{os.path.basename(p)}]({os.path.basename(p)})\n\n" for p in paths)
 
 
 if __name__ == "__main__":

@@ -181,12 +181,22 @@ def _fmt(v):
   return "" if v is None else v
 
 
-def format_table(rows: Sequence[Row]) -> str:
+def peer_ratios(rows: Sequence[Row], peer: str) -> list[float | None]:
+  """Each row's time over the `peer` implementation's time in the same case."""
+  peer_ms = {r.case: r.median_ms for r in rows
+             if r.implementation == peer and r.median_ms}
+  return [r.median_ms / peer_ms[r.case]
+          if r.median_ms and r.case in peer_ms else None for r in rows]
+
+
+def format_table(rows: Sequence[Row], peer: str | None = None) -> str:
   headers = ("benchmark", "case", "implementation", "ms", "GB/s", "TFLOP/s",
-             "x floor", "peak MB", "note")
+             "x floor", "x peer", "peak MB", "note")
+  ratios = peer_ratios(rows, peer) if peer else [None] * len(rows)
   body = [(r.benchmark, r.case, r.implementation, _num(r.median_ms, 4),
            _num(r.gbps, 1), _num(r.tflops, 1), _num(r.ratio_to_floor, 2),
-           _num(r.peak_mem_mb, 1), r.note) for r in rows]
+           _num(x, 2), _num(r.peak_mem_mb, 1), r.note)
+          for r, x in zip(rows, ratios)]
   widths = [max(len(str(c)) for c in col) for col in zip(headers, *body)]
   line = lambda cells: "| " + " | ".join(
       str(c).ljust(w) for c, w in zip(cells, widths)) + " |"

@@ -15,7 +15,7 @@ cutlass="nvidia-cutlass==4.2.0.0"
 want="$( (cat pyproject.toml constraints-cpu.txt; echo "$cutlass") | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[test,torch]'
+  .venv/bin/python -m pip install -q -c constraints-cpu.txt -e '.[test,torch,bench]'
   .venv/bin/python -m pip install -q --no-deps "$cutlass"
   echo "$want" > "$stamp"
 fi

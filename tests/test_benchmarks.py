@@ -1,0 +1,48 @@
+"""The benchmark harness's own arithmetic, and the main job end to end in
+smoke mode (what a fresh CPU machine runs with no arguments)."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from benchmarks import bench_invariance, harness
+from benchmarks.harness import Row
+
+
+def test_rows_differ_counts_rows_with_any_changed_bit(rng):
+  full = rng.standard_normal((10, 7)).astype(np.float32)
+  part = full[:6].copy()
+  part[1, 3] = np.nextafter(part[1, 3], np.float32(np.inf))  # one ulp
+  part[4, 0] = -part[4, 0]
+  assert bench_invariance.rows_differ(part, full) == 2
+  assert bench_invariance.rows_differ(full[:6], full) == 0
+  zeros = np.zeros((2, 3), np.float32)
+  assert bench_invariance.rows_differ(-zeros, zeros) == 2  # -0.0 is not +0.0
+
+
+def test_peer_ratios_divide_by_the_same_case_only():
+  rows = [Row("b", "c1", "peer", 2.0), Row("b", "c1", "rlk", 1.0),
+          Row("b", "c2", "rlk", 3.0), Row("b", "c2", "other", None)]
+  assert harness.peer_ratios(rows, "peer") == [1.0, 0.5, None, None]
+  assert "x peer" in harness.format_table(rows, peer="peer")
+
+
+def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
+  out = tmp_path / "out"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-m", "benchmarks", "--only",
+                  "invariance,bridge", "--repeats", "2", "--out", str(out)],
+                 cwd=root, check=True, capture_output=True, text=True,
+                 timeout=600)
+  with open(out / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert {r["benchmark"] for r in rows} == {"invariance", "bridge"}
+  assert all(r["commit"] and r["device"] for r in rows)
+  report = (out / "report.md").read_text()
+  assert "## invariance" in report and "## bridge" in report
+  pngs = sorted(p.name for p in out.glob("*.png"))
+  assert "invariance.png" in pngs and "bridge_overhead.png" in pngs, pngs
+  assert all(f"![{p}]({p})" in report for p in pngs)
