@@ -52,6 +52,7 @@ timeout "${RLK_BENCH_TIMEOUT:-0}" python3 -m benchmarks --out "$OUT/bench" "$@" 
 bench_rc=$?
 cp "$OUT/bench/results.csv" "$OUT/results.csv" 2>/dev/null
 cp "$OUT/bench/report.md" "$OUT/report.md" 2>/dev/null
+cp "$OUT"/bench/*.png "$OUT/" 2>/dev/null
 rm -rf "$OUT/bench"
 
 echo "== cuda_ffi build (rc=$build_rc, ${build_s}s): $(tail -n 1 "$OUT/build.log")"

@@ -43,6 +43,7 @@ def test_operand_reason_mirrors_the_tma_pitch_rules(args, reason):
 
 
 def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
+  monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)  # no prebuilt library
   monkeypatch.setenv("PATH", str(tmp_path))
   monkeypatch.setenv("CUDA_HOME", str(tmp_path))
   monkeypatch.setattr(build.os.path, "expanduser", lambda p: str(tmp_path))
