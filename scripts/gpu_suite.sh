@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device call: environment check, the whole test suite on the GPU (its
-# "pallas" cases through the Triton lowering, plus the `gpu`-marked tests),
-# then the benchmarks. Full logs go to $OUT; a short table is printed last.
+# One device call: environment check, the cuda_ffi build, the whole test
+# suite on the GPU (its "pallas" cases through the Triton lowering, plus the
+# `gpu`-marked tests), then the benchmarks. $OUT gets report.md, results.csv,
+# pytest.log, bench.log and run.tgz (plots, env/build logs, junit XML, a
+# fresh build of the library); a short table is printed last.
 #
 #   device run (carry .whl):  bash scripts/gpu_suite.sh [extra benchmark flags]
 #
 # Optional: RLK_PYTEST_ARGS (default "tests"), RLK_TEST_TIMEOUT and
 # RLK_BENCH_TIMEOUT (seconds; a phase past its limit is stopped and reported).
 #
-# The GPU image has jax, torch and triton but no package registry: pytest,
-# hypothesis and absl-py travel as wheels in .whl/ (see README).
+# The GPU image has jax, torch, triton and nvcc but no package registry:
+# pytest, hypothesis, absl-py and nvidia-cutlass travel as wheels in .whl/
+# (see README); RLK_CUDA_FFI_LIB may name a library built by an earlier call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/rlk-out}"
@@ -30,14 +33,15 @@ export RLK_COMMIT="${RLK_COMMIT:-unknown}"
 } 2>&1 | tee "$OUT/env.log"
 
 # The SM90 library: built here from the sources (nvcc + the nvidia-cutlass
-# wheel from .whl/), or the one named by RLK_CUDA_FFI_LIB; a copy goes to
-# $OUT so a later call can carry it instead of building again.
+# wheel from .whl/), or the one named by RLK_CUDA_FFI_LIB; a fresh build is
+# kept in run.tgz so a later call can carry it instead of building again.
 start=$(date +%s)
 python3 -m cuda_ffi.build > "$OUT/build.log" 2>&1
 build_rc=$?
 build_s=$(( $(date +%s) - start ))
 lib=$(tail -n 1 "$OUT/build.log")
-[ "$build_rc" = 0 ] && [ -z "${RLK_CUDA_FFI_LIB:-}" ] && cp "$lib" "$OUT/" 2>/dev/null
+[ "$build_rc" = 0 ] && [ -z "${RLK_CUDA_FFI_LIB:-}" ] && mkdir -p "$OUT/bench" \
+  && cp "$lib" "$OUT/bench/" 2>/dev/null
 
 start=$(date +%s)
 # shellcheck disable=SC2086  # RLK_PYTEST_ARGS may name several paths
@@ -52,10 +56,13 @@ timeout "${RLK_BENCH_TIMEOUT:-0}" python3 -m benchmarks --out "$OUT/bench" "$@" 
 bench_rc=$?
 cp "$OUT/bench/results.csv" "$OUT/results.csv" 2>/dev/null
 cp "$OUT/bench/report.md" "$OUT/report.md" 2>/dev/null
-cp "$OUT"/bench/*.png "$OUT/" 2>/dev/null
-rm -rf "$OUT/bench"
+# The device tool returns only a few files: everything else (plots, the
+# built library, env/build logs, junit XML) travels in one archive.
+mkdir -p "$OUT/bench"
+mv "$OUT/env.log" "$OUT/build.log" "$OUT/pytest.xml" "$OUT/bench/" 2>/dev/null
+tar czf "$OUT/run.tgz" -C "$OUT/bench" . && rm -rf "$OUT/bench"
 
-echo "== cuda_ffi build (rc=$build_rc, ${build_s}s): $(tail -n 1 "$OUT/build.log")"
+echo "== cuda_ffi build (rc=$build_rc, ${build_s}s): $lib"
 echo "== pytest (rc=$test_rc, ${test_s}s): $(tail -n 1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 echo "== benchmarks (rc=$bench_rc)"
