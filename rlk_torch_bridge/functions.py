@@ -107,7 +107,12 @@ class PackInfo:
   """The torch side of ``rlk_jax.PackInfo``: the same fields, as tensors
   (cu_seqlens, seq_lens, total, max_seqlen, num_dropped, segment_ids,
   positions, valid, gather_map, scatter_map), plus ``mask_shape`` and
-  ``capacity``. Reusable: ``pack(y, info)`` packs another tensor with it."""
+  ``capacity``. Reusable: ``pack(y, info)`` packs another tensor with it.
+
+  The tensors are zero-copy views of the JAX arrays the pack computed; the
+  JAX PackInfo itself is kept and handed back to later calls (no DLPack
+  imports per reuse) as long as the fields are the same tensor objects.
+  Treat the fields as read-only: they alias JAX's buffers."""
   cu_seqlens: torch.Tensor
   seq_lens: torch.Tensor
   total: torch.Tensor
@@ -120,13 +125,23 @@ class PackInfo:
   scatter_map: torch.Tensor
   mask_shape: tuple
   capacity: int
+  # (the field tensors' ids, the JAX PackInfo they view)
+  _jax: tuple | None = dataclasses.field(default=None, repr=False,
+                                         compare=False)
 
   @classmethod
   def from_jax(cls, info) -> "PackInfo":
-    return cls(**{f: to_torch(getattr(info, f)) for f in _INFO_FIELDS},
-               mask_shape=info.mask_shape, capacity=info.capacity)
+    torch_info = cls(**{f: to_torch(getattr(info, f)) for f in _INFO_FIELDS},
+                     mask_shape=info.mask_shape, capacity=info.capacity)
+    torch_info._jax = (torch_info._field_ids(), info)
+    return torch_info
+
+  def _field_ids(self) -> tuple:
+    return tuple(id(getattr(self, f)) for f in _INFO_FIELDS)
 
   def to_jax(self):
+    if self._jax is not None and self._jax[0] == self._field_ids():
+      return self._jax[1]
     return rlk_jax.PackInfo(**{f: to_jax(getattr(self, f)) for f in _INFO_FIELDS},
                             mask_shape=tuple(self.mask_shape),
                             capacity=self.capacity)

@@ -1,5 +1,6 @@
 """rlk_torch_bridge: the same bits as rlk_jax, torch autograd, clear errors."""
 
+import dataclasses
 import functools
 
 import jax
@@ -199,3 +200,16 @@ def test_linear_logp_errors(rng):
     rtb.linear_logp(hidden, weight, torch.zeros(4))
   with pytest.raises(ValueError, match=r"hidden \(4, 7\) must end in H=8"):
     rtb.linear_logp(randn(rng, (4, 7)), weight, torch.zeros(4, dtype=torch.long))
+
+
+def test_pack_info_reuse_hands_back_the_jax_info(rng):
+  x = randn(rng, (3, 10, 4))
+  mask = torch.from_numpy(rng.random((3, 10)) < 0.5)
+  packed, info = rtb.pack(x, mask)
+  assert info.to_jax() is info.to_jax()  # cached: no DLPack import per reuse
+  again, _ = rtb.pack(x * 2, info)
+  assert torch.equal(again, packed * 2)
+  # A field replaced by the user is honoured (the cache is bypassed).
+  moved = dataclasses.replace(info, valid=info.valid.clone())
+  assert moved.to_jax() is not info.to_jax()
+  assert torch.equal(rtb.unpack(packed, moved), rtb.unpack(packed, info))
