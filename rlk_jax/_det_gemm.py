@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import det_matmul
-from rlk_jax import _dispatch, reference
+from rlk_jax import _dispatch, _sharding, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -70,8 +70,18 @@ TABLE = _dispatch.register_reference_and_pallas(
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _partitioned(impl, transpose_a, transpose_b, out_dtype):
+  fn = TABLE.implementations[impl].fn
+  return _sharding.partitioned_product(
+      lambda a, b: fn(a, b, transpose_a, transpose_b, out_dtype),
+      transpose_a, transpose_b)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _matmul(impl, transpose_a, transpose_b, out_dtype, a, b):
+  if _sharding.multi_device():  # keeps sharded rows/columns local
+    return _partitioned(impl, transpose_a, transpose_b, out_dtype)(a, b)
   return TABLE.implementations[impl].fn(a, b, transpose_a, transpose_b, out_dtype)
 
 

@@ -1,0 +1,65 @@
+"""How rlk's products split over a device mesh under ``jit``.
+
+A Pallas call or an FFI custom call is opaque to XLA's partitioner, which
+would otherwise gather every operand onto every device. Each det_gemm
+product gets a rule instead (``custom_partitioning`` with a Shardy sharding
+rule): the rows of A (data parallel) and the columns of B (column tensor
+parallel) stay sharded and each device runs the kernel on its own block; the
+reduction dimension K is never split, because a split K means partial sums
+added in a different order: other bits. A K that arrives sharded is gathered
+first (the partitioner does that from ``need_replication_factors``), so the
+result is bitwise the unsharded one: every output element depends only on
+its row of A and column of B, whichever device computes it.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def multi_device() -> bool:
+  """Whether the rules apply: with one device nothing is partitioned, and
+  the plain call keeps single-device programs exactly as they were."""
+  return jax.device_count() > 1
+
+
+def _dims(transpose_a: bool, transpose_b: bool):
+  """(A's factor names, B's factor names) in storage order."""
+  a = ("k", "m") if transpose_a else ("m", "k")
+  b = ("n", "k") if transpose_b else ("k", "n")
+  return a, b
+
+
+def partitioned_product(local, transpose_a: bool, transpose_b: bool):
+  """`local(a, b)` (one device's product, ``[M, N]``) as a partitioned op.
+  (Callers cache the result: each call makes a new primitive.)"""
+  a_dims, b_dims = _dims(transpose_a, transpose_b)
+
+  @custom_partitioning
+  def product(a, b):
+    return local(a, b)
+
+  def axis(spec, dim):
+    return spec[dim] if dim < len(spec) else None
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    a_spec = arg_shapes[0].sharding.spec
+    b_spec = arg_shapes[1].sharding.spec
+    m_axis = axis(a_spec, a_dims.index("m"))
+    n_axis = axis(b_spec, b_dims.index("n"))
+    if n_axis is not None and n_axis == m_axis:
+      n_axis = None  # one mesh axis cannot split both: keep the rows'
+    names = {"m": m_axis, "n": n_axis, "k": None}
+    a_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in a_dims)))
+    b_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in b_dims)))
+    out = NamedSharding(mesh, PartitionSpec(m_axis, n_axis))
+    return mesh, local, out, (a_sharding, b_sharding)
+
+  product.def_partition(
+      partition,
+      sharding_rule=f"{' '.join(a_dims)}, {' '.join(b_dims)} -> m n",
+      need_replication_factors=("k",))
+  return product
