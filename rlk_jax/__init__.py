@@ -19,6 +19,8 @@ _EXPORTS = {
     "pack": "rlk_jax._pack",
     "pack_info": "rlk_jax._pack",
     "unpack": "rlk_jax._pack",
+    "pack_sharded": "rlk_jax._pack_sharded",
+    "unpack_sharded": "rlk_jax._pack_sharded",
     "det_gemm": "rlk_jax._det_gemm",
     "linear_logp": "rlk_jax._linear_logp",
     "next_token_targets": "rlk_jax._replay",
