@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import linear_logp as logp_kernel
-from rlk_jax import _det_gemm, _dispatch, reference
+from rlk_jax import _det_gemm, _dispatch, _sharding, reference
 
 IGNORE_INDEX = -100
 
@@ -73,16 +73,31 @@ TABLE = _dispatch.register_reference_and_pallas(
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _partitioned(impl, temperature, chunk_size):
+  fn = TABLE.implementations[impl].fn
+  return _sharding.partitioned_rows(
+      lambda h, w, t: tuple(fn(h, w, t, temperature, chunk_size)), 3)
+
+
+def _forward(impl, temperature, chunk_size, hidden, weight, targets):
+  """(logp, lse, entropy); on several devices the token rows stay sharded."""
+  if _sharding.multi_device():
+    return _partitioned(impl, temperature, chunk_size)(hidden, weight, targets)
+  return TABLE.implementations[impl].fn(hidden, weight, targets, temperature,
+                                        chunk_size)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _logp(impl, temperature, chunk_size, hidden, weight, targets):
-  logp, _, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
-                                                    temperature, chunk_size)
+  logp, _, entropy = _forward(impl, temperature, chunk_size, hidden, weight,
+                              targets)
   return logp, entropy
 
 
 def _logp_fwd(impl, temperature, chunk_size, hidden, weight, targets):
-  logp, lse, entropy = TABLE.implementations[impl].fn(hidden, weight, targets,
-                                                      temperature, chunk_size)
+  logp, lse, entropy = _forward(impl, temperature, chunk_size, hidden, weight,
+                                targets)
   return (logp, entropy), (hidden, weight, targets, lse, entropy)
 
 

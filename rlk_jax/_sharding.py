@@ -63,3 +63,30 @@ def partitioned_product(local, transpose_a: bool, transpose_b: bool):
       sharding_rule=f"{' '.join(a_dims)}, {' '.join(b_dims)} -> m n",
       need_replication_factors=("k",))
   return product
+
+
+def partitioned_rows(local, n_outputs: int):
+  """`local(hidden [N, H], weight [H, V], targets [N])` returning
+  `n_outputs` per-row arrays ``[N]`` (linear_logp's forward), partitioned
+  over rows only: each device runs the kernel on its tokens with the whole
+  weight. H and V are never split (a split V would combine per-device
+  logsumexps: other bits), so the rows are bitwise the unsharded ones."""
+
+  @custom_partitioning
+  def rows(hidden, weight, targets):
+    return local(hidden, weight, targets)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    spec = arg_shapes[0].sharding.spec
+    n_axis = spec[0] if len(spec) else None
+    row = NamedSharding(mesh, PartitionSpec(n_axis))
+    args = (NamedSharding(mesh, PartitionSpec(n_axis, None)),
+            NamedSharding(mesh, PartitionSpec(None, None)), row)
+    return mesh, local, (row,) * n_outputs, args
+
+  rows.def_partition(
+      partition,
+      sharding_rule="n h, h v, n -> " + ", ".join(["n"] * n_outputs),
+      need_replication_factors=("h", "v"))
+  return rows

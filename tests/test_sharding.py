@@ -10,7 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("checks", ["sharded_det_gemm_checks.py",
+@pytest.mark.parametrize("checks", ["sharded_gemm_logp_checks.py",
                                     "sharded_pack_checks.py"])
 def test_sharded_checks_on_8_host_devices(checks):
   env = dict(os.environ, JAX_PLATFORMS="cpu",

@@ -1,7 +1,7 @@
-"""det_gemm inside sharded jit programs on 8 (host) devices: bitwise the
-unsharded result, and no operand all-gathered where rows or columns are
-split. Run by tests/test_sharding.py in a child process (the device count
-is fixed when JAX starts)."""
+"""det_gemm and linear_logp inside sharded jit programs on 8 (host)
+devices: bitwise the unsharded result, and no operand all-gathered where
+rows or columns are split. Run by tests/test_sharding.py in a child process
+(the device count is fixed when JAX starts)."""
 
 import functools
 
@@ -74,3 +74,30 @@ def test_sharded_k_is_gathered_not_split(rng):
   f = jax.jit(functools.partial(rlk_jax.det_gemm, implementation="xla"))
   got = f(put(a, None, "data"), put(b, "data", None))
   assert_bitwise_equal(got, f(single(a), single(b)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_linear_logp_token_sharded_forward_and_gradients(impl, rng):
+  n, h, v = 32, 24, 70
+  hidden = random_array(rng, (n, h), jnp.float32) / 4
+  weight = random_array(rng, (h, v), jnp.float32) / 8
+  targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+
+  @jax.jit
+  def run(hidden, weight, targets):
+    f = lambda h, w: rlk_jax.linear_logp(h, w, targets, chunk_size=32,
+                                         implementation=impl)
+    logp, vjp = jax.vjp(f, hidden, weight)
+    return logp, vjp(jnp.ones_like(logp))
+
+  sharded = (put(hidden, "data"), put(weight), put(targets, "data"))
+  logp, (dh, dw) = run(*sharded)
+  want_logp, (want_dh, want_dw) = run(single(hidden), single(weight),
+                                      single(targets))
+  assert_bitwise_equal(logp, want_logp)
+  assert_bitwise_equal(dh, want_dh)
+  assert_bitwise_equal(dw, want_dw)
+  assert logp.sharding.is_equivalent_to(NamedSharding(MESH, P("data")), 1)
+  fwd = jax.jit(lambda h, w, t: rlk_jax.linear_logp(h, w, t, implementation=impl))
+  hlo = fwd.lower(*sharded).compile().as_text()
+  assert "all-gather" not in hlo, "the forward gathered its tokens"
