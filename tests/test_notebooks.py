@@ -138,14 +138,12 @@ def test_cli(tmp_path, capsys):
 # ---------------------------------------------------------------- notebooks
 
 def _notebook_client():
-  """The nbclient pieces, or a skip naming what is missing."""
-  try:
-    import nbformat
-    from nbclient import NotebookClient
-  except ImportError as e:
-    pytest.skip(f"notebook tests need nbformat and nbclient: {e}")
-  if importlib.util.find_spec("ipykernel") is None:  # the python3 kernel
-    pytest.skip("notebook tests need ipykernel (the python3 kernel)")
+  """The nbclient pieces: nbformat, nbclient and ipykernel (the python3
+  kernel) are test dependencies, so a missing one fails here, loudly."""
+  import nbformat
+  from nbclient import NotebookClient
+  assert importlib.util.find_spec("ipykernel") is not None, (
+      "ipykernel (the python3 kernel) is missing: pip install -e '.[test]'")
   return nbformat, NotebookClient
 
 
