@@ -11,27 +11,19 @@ whatever N is. The product tiles come from det_matmul's own `tile_product`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.det_matmul import tile_product
+from pallas_kernels.det_matmul import MatmulConfig, tile_product
 from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
-
-@dataclasses.dataclass(frozen=True)
-class LogpConfig:
-  block_m: int = 64
-  block_n: int = 128
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-
-
-DEFAULT_CONFIG = LogpConfig()
+# det_matmul's tile parameters; smaller row blocks, because each program also
+# carries four running row statistics across the whole vocabulary.
+DEFAULT_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64,
+                              num_warps=4, num_stages=2)
 
 
 def _online_update(carry, logits, col_ids, col_in, target, temperature):
@@ -120,7 +112,7 @@ def initial_stats(n):
 
 
 def update_stats(logits, targets, stats, *, temperature: float = 1.0,
-                 interpret: bool = False, config: LogpConfig = DEFAULT_CONFIG):
+                 interpret: bool = False, config: MatmulConfig = DEFAULT_CONFIG):
   """Folds a chunk of precomputed f32 logits ``[N, C]`` into the running
   stats (a 4-tuple of f32 ``[N]``, from :func:`initial_stats` or an earlier
   call); `targets` int32 ``[N]`` are column indices into this chunk (outside
@@ -143,7 +135,7 @@ def update_stats(logits, targets, stats, *, temperature: float = 1.0,
 
 
 def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
-                interpret: bool = False, config: LogpConfig = DEFAULT_CONFIG):
+                interpret: bool = False, config: MatmulConfig = DEFAULT_CONFIG):
   """hidden [N, H], weight [H, V], targets int32 [N] -> (logp, lse, entropy),
   each f32 [N]. A target outside [0, V) gives log-prob 0 (ignored)."""
   if pltriton is None:

@@ -238,9 +238,7 @@ def pack(x, mask_or_info, *, capacity: int | None = None, fill_value=0,
   """
   if isinstance(mask_or_info, PackInfo):
     info = mask_or_info
-    if capacity is not None and capacity != info.capacity:
-      raise ValueError(f"rlk_jax.pack: capacity={capacity} disagrees with the "
-                       f"given PackInfo's capacity {info.capacity}.")
+    check_reused_capacity("rlk_jax.pack", capacity, info.capacity)
   else:
     info = pack_info(mask_or_info, capacity=capacity)
   x = _as_array(x)
@@ -278,6 +276,13 @@ def unpack(packed, info: PackInfo, *, fill_value=0,
   dense = _move_rows(impl, fill, src, info.scatter_map.reshape(-1),
                      info.gather_map)
   return dense.reshape((*info.mask_shape, *tail))
+
+
+def check_reused_capacity(op: str, capacity, info_capacity: int) -> None:
+  """A capacity given with a reused PackInfo must be that info's own."""
+  if capacity is not None and capacity != info_capacity:
+    raise ValueError(f"{op}: capacity={capacity} disagrees with the given "
+                     f"PackInfo's capacity {info_capacity}.")
 
 
 def _as_array(x):

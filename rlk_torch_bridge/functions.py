@@ -11,7 +11,7 @@ import jax
 import torch
 
 import rlk_jax
-from rlk_jax import _det_gemm
+from rlk_jax import _det_gemm, _pack
 from rlk_torch_bridge import _sm90
 from rlk_torch_bridge._dlpack import (check_same_device, check_tensor,
                                       jax_dtype, platform_of, to_jax, to_torch,
@@ -213,9 +213,7 @@ def pack(x: torch.Tensor, mask_or_info, capacity: int | None = None,
   check_tensor("pack", "x", x)
   if isinstance(mask_or_info, PackInfo):
     info = mask_or_info
-    if capacity is not None and capacity != info.capacity:
-      raise ValueError(f"rlk_torch_bridge.pack: capacity={capacity} disagrees "
-                       f"with the given PackInfo's capacity {info.capacity}.")
+    _pack.check_reused_capacity("rlk_torch_bridge.pack", capacity, info.capacity)
   else:
     check_tensor("pack", "mask", mask_or_info)
     check_same_device("pack", x=x, mask=mask_or_info)
