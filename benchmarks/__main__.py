@@ -18,7 +18,8 @@ import time
 from absl import app, flags
 
 from benchmarks import (bench_bridge, bench_det_gemm, bench_host,
-                        bench_invariance, bench_logp, bench_pack, harness)
+                        bench_invariance, bench_logp, bench_pack,
+                        bench_scaling, harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -28,11 +29,12 @@ ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 
 BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "invariance": bench_invariance, "logp": bench_logp,
-              "host": bench_host, "bridge": bench_bridge}
+              "host": bench_host, "bridge": bench_bridge,
+              "scaling": bench_scaling}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
-         "bridge": "rlk_jax"}
+         "bridge": "rlk_jax", "scaling": "1_device"}
 
 
 def _default_out(smoke: bool) -> str:
