@@ -1,6 +1,6 @@
 """det_gemm against cuBLAS and XLA's dot, forward and backward.
 
-    python -m benchmarks.bench_det_gemm [--smoke] [--csv out.csv]
+    python -m benchmarks.bench_det_gemm [--smoke] [--csv out.csv] [--gemm_sweep]
 
 Competitors (stable names): ``cublas`` (torch.matmul, bf16, TF32 off),
 ``xla_dot`` (``jnp.dot``, bf16 out), ``rlk_<impl>`` for each available rlk
@@ -14,13 +14,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from absl import app
+from absl import app, flags
 
 import rlk_jax
 from benchmarks import harness
 from benchmarks.harness import Row
 
+SWEEP = flags.DEFINE_bool(
+    "gemm_sweep", False, "Also time every SM90 instantiation and tile order "
+    "(swizzle x raster) on the M=4096 shapes (implementation names "
+    "`sweep <config> swizzle=S raster=R`).")
+
 BENCH = "det_gemm"
+# Decode products take microseconds: a jitted call runs this many of them
+# (distinct A, the same weight, as a decode step's layers would not share
+# one but its L2-resident rows would) so one host dispatch is spread thin
+# and the figure is device time, as cuBLAS's is in the torch loop.
+DECODE_SETS = 16
 
 
 def _cases(smoke: bool):
@@ -45,10 +55,11 @@ def run(smoke: bool) -> list[Row]:
   rows = []
   torch = harness.torch_or_none()
   for name, m, k, n in big + decode:
-    keys = jax.random.split(jax.random.key(m * 7 + k + n), 3)
+    sets = 2 if (name, m, k, n) in big else DECODE_SETS
+    keys = jax.random.split(jax.random.key(m * 7 + k + n), sets + 1)
     a_sets = [jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
-              for kk in keys[:2]]
-    b = jax.random.normal(keys[2], (k, n), jnp.float32).astype(jnp.bfloat16)
+              for kk in keys[:sets]]
+    b = jax.random.normal(keys[sets], (k, n), jnp.float32).astype(jnp.bfloat16)
     flops = 2 * m * k * n
     case = f"{name} M={m} K={k} N={n} bf16"
     peer = None
@@ -89,8 +100,29 @@ def run(smoke: bool) -> list[Row]:
             lambda a, b, g, impl=impl: jax.vjp(functools.partial(
                 rlk_jax.det_gemm, implementation=impl), a, b)[1](g),
             [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
+    if SWEEP.value and "cuda_ffi" in _rlk_impls() and (name, m, k, n) in big:
+      rows += _sweep(case, a_sets, b, flops, peer)
   return rows
 
+
+def _sweep(case, a_sets, b, flops, peer) -> list[Row]:
+  """Every instantiation and tile order on one problem: the data behind
+  the library's ChooseConfig / ChooseSchedule (none of them moves a bit)."""
+  import cuda_ffi
+  rows = []
+  for config in ("cooperative_128x256", "pingpong_64x128"):
+    for swizzle in (1, 2, 4, 8):
+      for raster in (0, 1, 2):
+        fn = functools.partial(cuda_ffi.matmul, transpose_a=False,
+                               transpose_b=False, out_dtype=jnp.bfloat16,
+                               config=config, swizzle=swizzle, raster=raster)
+        row = harness.timed_row(
+            BENCH, case, f"sweep {config} swizzle={swizzle} raster={raster}",
+            fn, [(a, b) for a in a_sets], flops=flops)
+        if peer and row.tflops:
+          row.note = f"{row.tflops / peer:.2f}x cublas"
+        rows.append(row)
+  return rows
 
 
 if __name__ == "__main__":

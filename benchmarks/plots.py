@@ -415,20 +415,34 @@ def write_plots(csv_path: str, out_dir: str) -> list[str]:
 # ---------------------------------------------------------------- notebooks
 
 def newest_results(root: str, benchmark: str) -> str | None:
-  """The newest committed CSV with `benchmark` rows: newest by its latest
-  `date`, then by its folder's mtime (several runs share a date)."""
+  """The newest committed CSV with `benchmark` rows, in any folder under
+  ``benchmarks/results/``: newest by its latest `date`, then (several runs
+  share a date) by the commit time of the code that produced it, then by
+  its folder's mtime."""
   found = []
-  pattern = os.path.join(root, "benchmarks", "results", "*", "*.csv")
-  for path in glob.glob(pattern):
+  pattern = os.path.join(root, "benchmarks", "results", "**", "*.csv")
+  for path in glob.glob(pattern, recursive=True):
     if not re.search(r"(^|_)results\.csv$", os.path.basename(path)):
       continue  # one-off experiment dumps, not a run's results
-    if os.path.basename(os.path.dirname(path)).startswith("smoke-"):
+    relative = os.path.relpath(path, os.path.join(root, "benchmarks", "results"))
+    if relative.startswith("smoke-"):
       continue  # toy CPU sizes left by a smoke run without --out
-    dates = [r.get("date") or "" for r in read_rows(path)
-             if r["benchmark"] == benchmark]
-    if dates:
-      found.append((max(dates), os.path.getmtime(os.path.dirname(path)), path))
-  return max(found)[2] if found else None
+    rows = [r for r in read_rows(path) if r["benchmark"] == benchmark]
+    if rows:
+      found.append((max(r.get("date") or "" for r in rows),
+                    max(_commit_time(root, r.get("commit", "")) for r in rows),
+                    os.path.getmtime(os.path.dirname(path)), path))
+  return max(found)[3] if found else None
+
+
+def _commit_time(root: str, commit: str) -> int:
+  """Seconds since the epoch of `commit` in the checkout at `root`; 0 when
+  unknown (no git, a commit it lacks, an edited tree's "-dirty" name)."""
+  if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+    return 0
+  done = subprocess.run(["git", "log", "-1", "--format=%ct", commit], cwd=root,
+                        capture_output=True, text=True)
+  return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
 def smoke_results(root: str, benchmarks, repeats: int = 3) -> str:

@@ -26,6 +26,9 @@ FFI_TARGET = "rlk_det_gemm_sm90"
 # shape. Every config gives the same bits (device-tested).
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "pingpong_64x32": 3}
+# The persistent scheduler's tile order (0: the library's choice).
+SWIZZLES = (0, 1, 2, 4, 8)
+RASTERS = (0, 1, 2)  # along M, along N
 
 _log = logging.getLogger("rlk.cuda_ffi")
 _lock = threading.Lock()
@@ -119,9 +122,19 @@ def operand_reason(m: int, n: int, k: int, transpose_a: bool,
 
 
 def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
-           config: str = "auto"):
-  """``op(a) @ op(b)`` on the SM90 kernels (bf16 in, f32 accumulate)."""
+           config: str = "auto", swizzle: int = 0, raster: int = 0):
+  """``op(a) @ op(b)`` on the SM90 kernels (bf16 in, f32 accumulate).
+
+  `config` names the instantiation; `swizzle` (1, 2, 4, 8) and `raster`
+  (1: along M, 2: along N) the persistent scheduler's tile order, 0 = the
+  library's choice. None of them changes the bits, only the speed.
+  """
   import jax
+  if config not in CONFIGS or swizzle not in SWIZZLES or raster not in RASTERS:
+    raise ValueError(
+        f"rlk cuda_ffi det_gemm: unknown config={config!r} swizzle={swizzle!r} "
+        f"raster={raster!r} (configs {sorted(CONFIGS)}, swizzle {SWIZZLES}, "
+        f"raster {RASTERS})")
   library()  # registers the target (or raises with the reason)
   m = a.shape[1] if transpose_a else a.shape[0]
   n = b.shape[0] if transpose_b else b.shape[1]
@@ -132,7 +145,8 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
       # row's bits.
       vmap_method="sequential")
   return call(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
-              config=np.int64(CONFIGS[config]))
+              config=np.int64(CONFIGS[config]), swizzle=np.int64(swizzle),
+              raster=np.int64(raster))
 
 
 def chosen_config(m: int, n: int) -> str:

@@ -42,6 +42,15 @@ def test_operand_reason_mirrors_the_tma_pitch_rules(args, reason):
     assert reason in got
 
 
+@pytest.mark.parametrize("kwargs", [dict(config="big"), dict(swizzle=3),
+                                    dict(raster=5)])
+def test_unknown_config_or_tile_order_is_refused_before_any_launch(kwargs):
+  x = jnp.ones((8, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="unknown config="):
+    cuda_ffi.matmul(x, x, transpose_a=False, transpose_b=False,
+                    out_dtype=jnp.bfloat16, **kwargs)
+
+
 def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
   monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)  # no prebuilt library
   monkeypatch.setenv("PATH", str(tmp_path))

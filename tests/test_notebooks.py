@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -58,12 +59,12 @@ def _synthetic_rows():
   return rows
 
 
-def _write_csv(path, rows, date="2026-11-21"):
+def _write_csv(path, rows, date="2026-11-21", commit="abc1234"):
   with open(path, "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(COLUMNS)
     for bench, case, impl, ms, gbps, tflops, mb, note in rows:
-      writer.writerow([date, "abc1234", "Test GPU", bench, case, impl,
+      writer.writerow([date, commit, "Test GPU", bench, case, impl,
                        ms, gbps, tflops, "", "", mb, note])
 
 
@@ -128,6 +129,30 @@ def test_newest_results_per_benchmark(tmp_path):
   assert len(sources) == 2
   assert {r["date"] for r in loaded if r["benchmark"] == "det_gemm"} == {
       "2026-11-21"}
+
+
+def test_newest_results_same_date_prefers_the_newer_commit(tmp_path):
+  """Runs of one date, in nested folders: the one made from the newer commit
+  wins whatever the checkout's folder mtimes say."""
+  git = lambda *args: subprocess.run(
+      ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+      check=True, capture_output=True, text=True).stdout.strip()
+  git("init", "-q")
+  shas = []
+  for when in ("2026-11-21T10:00:00", "2026-11-21T12:00:00"):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-q", "--allow-empty", "-m", when], cwd=tmp_path,
+                   check=True, env=dict(os.environ, GIT_COMMITTER_DATE=when,
+                                        GIT_AUTHOR_DATE=when))
+    shas.append(git("rev-parse", "--short", "HEAD"))
+  results = tmp_path / "benchmarks" / "results"
+  newer = results / "gpu-a" / "main-job"
+  older = results / "gpu-b"
+  for folder, sha in ((newer, shas[1]), (older, shas[0])):
+    folder.mkdir(parents=True)
+    _write_csv(folder / "results.csv", _synthetic_rows(), commit=sha)
+  os.utime(newer, (0, 0))  # the older run's folder looks newer on disk
+  assert plots.newest_results(str(tmp_path), "pack") == str(newer / "results.csv")
 
 
 def test_cli(tmp_path, capsys):

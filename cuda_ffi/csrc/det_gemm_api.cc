@@ -30,6 +30,13 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
   return GemmConfig::kPingpong64x32;
 }
 
+void ChooseSchedule(GemmConfig config, int64_t m, int64_t n, int* swizzle,
+                    int* raster) {
+  (void)config, (void)m, (void)n;
+  if (*swizzle == 0) *swizzle = 1;
+  // raster 0 stays CUTLASS's heuristic: along M when there are more N tiles.
+}
+
 namespace {
 
 struct DeviceInfo {
@@ -59,7 +66,8 @@ thread_local std::string last_error;
 
 // Checks shared by both entry points; empty when the problem is fine.
 std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
-                         bool out_f32, int64_t config, const DeviceInfo& info) {
+                         bool out_f32, int64_t config, int64_t swizzle,
+                         int64_t raster, const DeviceInfo& info) {
   char buf[320];
   if (info.major != 9 || info.minor != 0) {
     std::snprintf(buf, sizeof buf,
@@ -95,12 +103,21 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
                   (long long)config);
     return buf;
   }
+  if ((swizzle != 0 && swizzle != 1 && swizzle != 2 && swizzle != 4 &&
+       swizzle != 8) || raster < 0 || raster > 2) {
+    std::snprintf(buf, sizeof buf,
+                  "rlk cuda_ffi det_gemm: unknown tile order swizzle=%lld "
+                  "raster=%lld (swizzle 0/1/2/4/8, raster 0/1/2)",
+                  (long long)swizzle, (long long)raster);
+    return buf;
+  }
   return "";
 }
 
-LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
+LaunchStatus Launch(bool ta, bool tb, bool out_f32, GemmProblem p,
                     GemmConfig config, size_t* workspace_needed) {
   if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
+  ChooseSchedule(config, p.m, p.n, &p.swizzle, &p.raster);
 #define RLK_CASE(TA, TB, F32)                                       \
   if (ta == TA && tb == TB && out_f32 == F32)                       \
     return LaunchGemm<TA, TB, F32>(p, config, workspace_needed);
@@ -115,7 +132,8 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
                       ffi::AnyBuffer a, ffi::AnyBuffer b,
                       ffi::Result<ffi::AnyBuffer> c, bool transpose_a,
-                      bool transpose_b, int64_t config) {
+                      bool transpose_b, int64_t config, int64_t swizzle,
+                      int64_t raster) {
   auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
   if (da.size() != 2 || db.size() != 2 || dc.size() != 2) {
     return ffi::Error::InvalidArgument(
@@ -145,12 +163,13 @@ ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
   int device = 0;
   cudaGetDevice(&device);
   const DeviceInfo& info = InfoOf(device);
-  const std::string problem =
-      CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config, info);
+  const std::string problem = CheckProblem(
+      m, n, k, transpose_a, transpose_b, out_f32, config, swizzle, raster, info);
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
 
   GemmProblem p{a.untyped_data(), b.untyped_data(), nullptr, m, n, k,
-                info.sm_count, nullptr, 0, stream};
+                info.sm_count, nullptr, 0, stream, static_cast<int>(swizzle),
+                static_cast<int>(raster)};
   const auto cfg = static_cast<GemmConfig>(config);
   size_t needed = 0;
   LaunchStatus status = Launch(transpose_a, transpose_b, out_f32, p, cfg,
@@ -184,7 +203,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkDetGemmSm90, rlk::DetGemmFfi,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b")
-                                  .Attr<int64_t>("config"));
+                                  .Attr<int64_t>("config")
+                                  .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("raster"));
 
 extern "C" {
 
@@ -204,7 +225,7 @@ const char* rlk_det_gemm_sm90(int transpose_a, int transpose_b, int out_f32,
   cudaGetDevice(&device);
   const DeviceInfo& info = InfoOf(device);
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
-                            info);
+                            0, 0, info);
   if (!last_error.empty()) return last_error.c_str();
   GemmProblem p{a, b, c, m, n, k, info.sm_count, workspace, workspace_bytes,
                 static_cast<cudaStream_t>(stream)};
@@ -226,7 +247,7 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
   cudaGetDevice(&device);
   const DeviceInfo& info = InfoOf(device);
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
-                            info);
+                            0, 0, info);
   if (!last_error.empty()) {
     *error = last_error.c_str();
     return -1;

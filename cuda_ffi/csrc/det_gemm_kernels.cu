@@ -107,6 +107,12 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
        static_cast<typename G::ElementD*>(p.c),
        stride_d},
       hw};
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.max_swizzle_size = p.swizzle;
+  args.scheduler.raster_order =
+      p.raster == 1   ? RasterOrder::AlongM
+      : p.raster == 2 ? RasterOrder::AlongN
+                      : RasterOrder::Heuristic;
   Device gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return {false, "CUTLASS cannot implement this problem (row strides must "
