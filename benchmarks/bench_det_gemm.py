@@ -26,10 +26,11 @@ SWEEP = flags.DEFINE_bool(
     "`sweep <config> swizzle=S raster=R`).")
 
 BENCH = "det_gemm"
-# Decode products take microseconds: a jitted call runs this many of them
-# (distinct A, the same weight, as a decode step's layers would not share
-# one but its L2-resident rows would) so one host dispatch is spread thin
-# and the figure is device time, as cuBLAS's is in the torch loop.
+# Decode products take microseconds: a jitted call runs this many, each with
+# its own A and its own weight (a decode step's layers do not share weights;
+# one shared weight would also stay in L2 and let XLA merge the dots into
+# one), so one host dispatch is spread thin and the figure is device time,
+# as cuBLAS's is in the torch loop.
 DECODE_SETS = 16
 
 
@@ -55,38 +56,42 @@ def run(smoke: bool) -> list[Row]:
   rows = []
   torch = harness.torch_or_none()
   for name, m, k, n in big + decode:
-    sets = 2 if (name, m, k, n) in big else DECODE_SETS
-    keys = jax.random.split(jax.random.key(m * 7 + k + n), sets + 1)
+    is_big = (name, m, k, n) in big
+    sets = 2 if is_big else DECODE_SETS
+    keys = jax.random.split(jax.random.key(m * 7 + k + n), 2 * sets)
     a_sets = [jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
               for kk in keys[:sets]]
-    b = jax.random.normal(keys[sets], (k, n), jnp.float32).astype(jnp.bfloat16)
+    # The M=4096 products share one weight (distinct A already defeats L2).
+    b_sets = [jax.random.normal(kk, (k, n), jnp.float32).astype(jnp.bfloat16)
+              for kk in keys[sets:sets + (1 if is_big else sets)]]
+    pairs = list(zip(a_sets, b_sets * sets if is_big else b_sets))
+    b = b_sets[0]
     flops = 2 * m * k * n
     case = f"{name} M={m} K={k} N={n} bf16"
     peer = None
     if torch is not None and harness.on_gpu():
       torch.backends.cuda.matmul.allow_tf32 = False
-      tb = torch.from_dlpack(b)
-      ms = harness.time_torch(lambda ta: torch.matmul(ta, tb),
-                              [(torch.from_dlpack(a),) for a in a_sets])
+      ms = harness.time_torch(
+          torch.matmul, [(torch.from_dlpack(a), torch.from_dlpack(bb))
+                         for a, bb in pairs])
       peer = flops / ms / 1e9
       rows.append(harness.progress(Row(BENCH, case, "cublas", ms, tflops=peer)))
     rows.append(harness.timed_row(
-        BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b),
-        [(a, b) for a in a_sets], flops=flops))
+        BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b), pairs, flops=flops))
     for impl in _rlk_impls():
       if impl == "xla" and not smoke:
         continue  # the K-loop oracle: minutes per call at these sizes
       row = harness.timed_row(
           BENCH, case, f"rlk_{impl}",
           functools.partial(rlk_jax.det_gemm, implementation=impl),
-          [(a, b) for a in a_sets], flops=flops)
+          pairs, flops=flops)
       if peer and row.tflops:
         row.note = f"{row.tflops / peer:.2f}x cublas"
       if impl == "cuda_ffi":
         import cuda_ffi  # only where it is available
         row.note += f" config {cuda_ffi.chosen_config(m, n)}"
       rows.append(row)
-    if (name, m, k, n) in big:
+    if is_big:
       g_sets = [a @ b for a in a_sets]  # cotangents shaped like the output
       rows.append(harness.timed_row(
           BENCH, case + " bwd", "xla_dot_vjp",
@@ -100,12 +105,12 @@ def run(smoke: bool) -> list[Row]:
             lambda a, b, g, impl=impl: jax.vjp(functools.partial(
                 rlk_jax.det_gemm, implementation=impl), a, b)[1](g),
             [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
-    if SWEEP.value and "cuda_ffi" in _rlk_impls() and (name, m, k, n) in big:
-      rows += _sweep(case, a_sets, b, flops, peer)
+    if SWEEP.value and "cuda_ffi" in _rlk_impls() and is_big:
+      rows += _sweep(case, pairs, flops, peer)
   return rows
 
 
-def _sweep(case, a_sets, b, flops, peer) -> list[Row]:
+def _sweep(case, pairs, flops, peer) -> list[Row]:
   """Every instantiation and tile order on one problem: the data behind
   the library's ChooseConfig / ChooseSchedule (none of them moves a bit)."""
   import cuda_ffi
@@ -118,7 +123,7 @@ def _sweep(case, a_sets, b, flops, peer) -> list[Row]:
                                config=config, swizzle=swizzle, raster=raster)
         row = harness.timed_row(
             BENCH, case, f"sweep {config} swizzle={swizzle} raster={raster}",
-            fn, [(a, b) for a in a_sets], flops=flops)
+            fn, pairs, flops=flops)
         if peer and row.tflops:
           row.note = f"{row.tflops / peer:.2f}x cublas"
         rows.append(row)
