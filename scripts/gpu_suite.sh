@@ -44,9 +44,11 @@ lib=$(tail -n 1 "$OUT/build.log")
   && cp "$lib" "$OUT/bench/" 2>/dev/null
 
 start=$(date +%s)
-# shellcheck disable=SC2086  # RLK_PYTEST_ARGS may name several paths
+# RLK_PYTEST_ARGS is parsed like a command line, so a quoted expression
+# stays one argument: RLK_PYTEST_ARGS="-m gpu tests -k 'tile_order or sanitizer'"
+eval "pytest_args=(${RLK_PYTEST_ARGS:-tests})"
 timeout "${RLK_TEST_TIMEOUT:-0}" python3 -m pytest -q -m "gpu or not gpu" \
-  -p no:cacheprovider --junitxml="$OUT/pytest.xml" ${RLK_PYTEST_ARGS:-tests} \
+  -p no:cacheprovider --junitxml="$OUT/pytest.xml" "${pytest_args[@]}" \
   > "$OUT/pytest.log" 2>&1
 test_rc=$?
 test_s=$(( $(date +%s) - start ))
