@@ -35,10 +35,10 @@ def _cases(smoke: bool):
   return gemms, dict(batch=16, seq=1024, hidden=4096, density=0.5)
 
 
-def _pair(case: str, one: Row, many: Row, devices: int) -> list[Row]:
+def _pair(one: Row, many: Row) -> list[Row]:
   if one.median_ms and many.median_ms:
     many.note = f"efficiency {one.median_ms / many.median_ms:.3f}"
-  return [one, harness.progress(many)]
+  return [one, many]
 
 
 def _gemm_rows(mesh, name, m, k, n) -> list[Row]:
@@ -60,7 +60,7 @@ def _gemm_rows(mesh, name, m, k, n) -> list[Row]:
       BENCH, case, f"{devices}_devices", rlk_jax.det_gemm,
       [(jax.device_put(a, rows_sharded), jax.device_put(b, whole)) for a in a_sets],
       flops=devices * flops)
-  return _pair(case, one, many, devices)
+  return _pair(one, many)
 
 
 def _pack_rows(mesh, batch, seq, hidden, density) -> list[Row]:
@@ -86,7 +86,7 @@ def _pack_rows(mesh, batch, seq, hidden, density) -> list[Row]:
                                         capacity=capacity)[0],
       [(jax.device_put(x, data), jax.device_put(m, data))
        for x, m in zip(x_sets, masks)], nbytes=devices * nbytes)
-  return _pair(case, one, many, devices)
+  return _pair(one, many)
 
 
 def run(smoke: bool) -> list[Row]:

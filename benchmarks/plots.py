@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import functools
 import glob
 import math
 import os
@@ -430,11 +431,13 @@ def newest_results(root: str, benchmark: str) -> str | None:
     rows = [r for r in read_rows(path) if r["benchmark"] == benchmark]
     if rows:
       found.append((max(r.get("date") or "" for r in rows),
-                    max(_commit_time(root, r.get("commit", "")) for r in rows),
+                    max(_commit_time(root, c)
+                        for c in {r.get("commit", "") for r in rows}),
                     os.path.getmtime(os.path.dirname(path)), path))
   return max(found)[3] if found else None
 
 
+@functools.cache
 def _commit_time(root: str, commit: str) -> int:
   """Seconds since the epoch of `commit` in the checkout at `root`; 0 when
   unknown (no git, a commit it lacks, an edited tree's "-dirty" name)."""

@@ -30,13 +30,6 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
   return GemmConfig::kPingpong64x32;
 }
 
-void ChooseSchedule(GemmConfig config, int64_t m, int64_t n, int* swizzle,
-                    int* raster) {
-  (void)config, (void)m, (void)n;
-  if (*swizzle == 0) *swizzle = 1;
-  // raster 0 stays CUTLASS's heuristic: along M when there are more N tiles.
-}
-
 namespace {
 
 struct DeviceInfo {
@@ -114,10 +107,9 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
   return "";
 }
 
-LaunchStatus Launch(bool ta, bool tb, bool out_f32, GemmProblem p,
+LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
                     GemmConfig config, size_t* workspace_needed) {
   if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
-  ChooseSchedule(config, p.m, p.n, &p.swizzle, &p.raster);
 #define RLK_CASE(TA, TB, F32)                                       \
   if (ta == TA && tb == TB && out_f32 == F32)                       \
     return LaunchGemm<TA, TB, F32>(p, config, workspace_needed);

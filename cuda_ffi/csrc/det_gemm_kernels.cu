@@ -108,7 +108,7 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
        stride_d},
       hw};
   using RasterOrder = decltype(args.scheduler.raster_order);
-  args.scheduler.max_swizzle_size = p.swizzle;
+  if (p.swizzle != 0) args.scheduler.max_swizzle_size = p.swizzle;
   args.scheduler.raster_order =
       p.raster == 1   ? RasterOrder::AlongM
       : p.raster == 2 ? RasterOrder::AlongN
