@@ -15,6 +15,7 @@ import pytest
 
 import cuda_ffi
 import rlk_jax
+from rlk_jax import _det_gemm
 from conftest import ON_GPU, assert_bitwise_equal, random_array
 
 ON_SM90 = ON_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
@@ -98,7 +99,7 @@ def test_every_layout_and_output_matches_pallas(ta, tb, out, rng):
   b = random_array(rng, (n, k) if tb else (k, n), jnp.bfloat16)
   for config in CONFIGS:
     got = product(config, ta, tb, out)(a, b)
-    want = rlk_jax._det_gemm._matmul("pallas", ta, tb, jnp.dtype(out), a, b)
+    want = _det_gemm._matmul("pallas", ta, tb, jnp.dtype(out), a, b)
     assert_bitwise_equal(got, want, f"ta={ta} tb={tb} {config}")
   a64 = np.asarray(a, np.float64)
   b64 = np.asarray(b, np.float64)
@@ -145,7 +146,7 @@ def test_jit_vmap_grad(rng):
 def test_auto_falls_back_where_the_kernel_cannot_and_named_raises(rng):
   a = random_array(rng, (64, 1001), jnp.bfloat16)  # K not a multiple of 8
   b = random_array(rng, (1001, 256), jnp.bfloat16)
-  plan = rlk_jax._det_gemm.plan(a, b)
+  plan = _det_gemm.plan(a, b)
   assert plan.implementation == "pallas"
   with pytest.raises(ValueError, match=r"cuda_ffi.*cannot take these operands.*"
                                        r"multiples of 8"):
