@@ -97,7 +97,7 @@ def run(smoke: bool) -> list[Row]:
         rows.append(harness.timed_row(BENCH, case, impl, fn, args,
                                       nbytes=nbytes, floor_ms=floor, note=note))
 
-      for impl in ("pallas", "xla"):
+      for impl in ("cuda_ffi", "pallas", "xla"):
         if rlk_jax.implementations("pack")[impl] is None:
           add(f"rlk_{impl}", functools.partial(
               _pack_from_mask, capacity=capacity, implementation=impl),
@@ -105,7 +105,12 @@ def run(smoke: bool) -> list[Row]:
       add("rlk_pack_info_only", functools.partial(rlk_jax.pack_info,
                                                   capacity=capacity),
           [(m,) for m in masks], nbytes=None, floor=None,
-          note="the metadata alone")
+          note="the metadata alone (XLA ops)")
+      if rlk_jax.implementations("pack")["cuda_ffi"] is None:
+        add("rlk_cuda_ffi_pack_info_only", functools.partial(
+            rlk_jax.pack_info, capacity=capacity, implementation="cuda_ffi"),
+            [(m,) for m in masks], nbytes=None, floor=None,
+            note="the metadata alone (CUDA kernels)")
       infos = [rlk_jax.pack_info(m, capacity=capacity) for m in masks]
       add(f"rlk_{rlk_jax.selected_implementation('pack')}_reuse_info",
           _pack_with_info, list(zip(xs, infos)))

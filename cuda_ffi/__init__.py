@@ -1,8 +1,12 @@
-"""CUDA C++ kernels behind XLA FFI custom calls: the SM90 (Hopper) det_gemm.
+"""CUDA C++ kernels behind XLA FFI custom calls: the SM90 (Hopper) det_gemm,
+and pack's metadata and row gather.
 
-CUTLASS 3.x TMA warp-specialized GEMMs with a fixed 64-wide K tile walked in
-order, a persistent tile scheduler and no split-K: batch-invariant like every
-rlk det_gemm. This module finds (or builds, once, cached: see
+det_gemm: CUTLASS 3.x TMA warp-specialized GEMMs with a fixed 64-wide K tile
+walked in order, a persistent tile scheduler and no split-K: batch-invariant
+like every rlk det_gemm. pack: the PackInfo of a mask (tile counts, a tile
+scan, the fields) and the row gather every move is made of. Each also has a
+plain C entry that the torch bridge launches on torch's stream. This module
+finds (or builds, once, cached: see
 ``cuda_ffi.build``) the shared library, registers its FFI target with JAX, and
 says why when it cannot. Importing it is always safe, with or without CUDA.
 
@@ -22,6 +26,8 @@ import numpy as np
 from cuda_ffi import build as _build
 
 FFI_TARGET = "rlk_det_gemm_sm90"
+PACK_INFO_TARGET = "rlk_pack_info"
+GATHER_ROWS_TARGET = "rlk_gather_rows"
 # Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
 # shape. Every config gives the same bits (device-tested).
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
@@ -64,8 +70,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
       lib = ctypes.CDLL(str(path))
       _declare(lib)
       import jax
-      jax.ffi.register_ffi_target(
-          FFI_TARGET, jax.ffi.pycapsule(lib.RlkDetGemmSm90), platform="CUDA")
+      for target, symbol in ((FFI_TARGET, lib.RlkDetGemmSm90),
+                             (PACK_INFO_TARGET, lib.RlkPackInfo),
+                             (GATHER_ROWS_TARGET, lib.RlkGatherRows)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
+                                    platform="CUDA")
     except (_build.BuildUnavailable, OSError, RuntimeError) as e:
       lib, reason = None, f"cuda_ffi library unavailable: {e}"
     _state["lib"], _state["reason"] = lib, reason
@@ -84,6 +93,13 @@ def _declare(lib: ctypes.CDLL) -> None:
       ctypes.POINTER(ctypes.c_char_p)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64]
+  lib.rlk_pack_info_scratch_bytes.restype = i64
+  lib.rlk_pack_info_scratch_bytes.argtypes = [i64]
+  lib.rlk_pack_info.restype = ctypes.c_char_p
+  lib.rlk_pack_info.argtypes = [vp, vp, i64, i64, i64, vp] + [vp] * 10
+  lib.rlk_gather_rows.restype = ctypes.c_char_p
+  lib.rlk_gather_rows.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_uint64,
+                                  vp]
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -181,3 +197,64 @@ def launch(a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, *,
                               stream)
   if err is not None:
     raise ValueError(err.decode())
+
+
+# ----------------------------------------------------------------------------
+# pack
+
+
+def pack_info(active, *, capacity: int):
+  """The PackInfo fields of a bool mask ``active`` (``[n_seq, ...]``), in
+  rlk_jax.PackInfo's order: cu_seqlens, seq_lens, total, max_seqlen,
+  num_dropped, segment_ids, positions, valid, gather_map, scatter_map."""
+  import jax
+  import jax.numpy as jnp
+  library()
+  n_seq, size = active.shape[0], active.size
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  shapes = (i32(n_seq + 1), i32(n_seq), i32(), i32(), i32(), i32(capacity),
+            i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.bool_),
+            i32(capacity), i32(*active.shape))
+  call = jax.ffi.ffi_call(PACK_INFO_TARGET, shapes, vmap_method="sequential")
+  return call(active.reshape(-1), n_seq=np.int64(n_seq),
+              width=np.int64(size // n_seq if n_seq else 0),
+              capacity=np.int64(capacity))
+
+
+def fill_bits(fill, dtype) -> int:
+  """The bytes of `fill` as `dtype`, little-endian, as one integer."""
+  return int.from_bytes(np.asarray(fill, dtype=dtype).tobytes(), "little")
+
+
+def gather_rows(src, idx, fill):
+  """``out[r] = src[idx[r]]`` (``[M, D]``), rows with ``idx < 0`` = `fill`."""
+  import jax
+  library()
+  call = jax.ffi.ffi_call(
+      GATHER_ROWS_TARGET,
+      jax.ShapeDtypeStruct((idx.shape[0], src.shape[1]), src.dtype),
+      vmap_method="sequential")
+  return call(src, idx, fill_bits=np.int64(
+      np.uint64(fill_bits(fill, src.dtype)).astype(np.int64)))
+
+
+def launch_pack_info(stream: int, active_ptr: int, n_seq: int, width: int,
+                     capacity: int, scratch_ptr: int, field_ptrs) -> None:
+  """The same kernels on raw pointers and a stream (the torch bridge)."""
+  err = library().rlk_pack_info(stream, active_ptr, n_seq, width, capacity,
+                                scratch_ptr, *field_ptrs)
+  if err is not None:
+    raise RuntimeError(err.decode())
+
+
+def pack_info_scratch_bytes(size: int) -> int:
+  return library().rlk_pack_info_scratch_bytes(size)
+
+
+def launch_gather_rows(stream: int, src_ptr: int, idx_ptr: int, out_rows: int,
+                       row_bytes: int, elem_bytes: int, fill: int,
+                       dst_ptr: int) -> None:
+  err = library().rlk_gather_rows(stream, src_ptr, idx_ptr, out_rows,
+                                  row_bytes, elem_bytes, fill, dst_ptr)
+  if err is not None:
+    raise RuntimeError(err.decode())

@@ -26,6 +26,8 @@ import tempfile
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC / "det_gemm_kernels.cu"
 API_SOURCE = CSRC / "det_gemm_api.cc"
+# The pack kernels: no CUTLASS, one object each.
+PACK_SOURCES = (CSRC / "pack_rows_kernels.cu", CSRC / "pack_rows_api.cc")
 LIBRARY_NAME = "librlk_cuda_ffi.so"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
@@ -118,11 +120,15 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
     commands.append([nvcc, *NVCC_FLAGS, *includes, f"-DRLK_TA={ta}",
                      f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}", "-c",
                      str(KERNEL_SOURCE), "-o", str(obj)])
+  kernels, pack_api = PACK_SOURCES
+  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(kernels),
+                   "-o", str(out_dir / "pack_rows_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
-  commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
-                   str(CSRC), "-isystem", str(ffi), "-c", str(API_SOURCE),
-                   "-o", str(out_dir / "det_gemm_api.o")])
+  for source in (API_SOURCE, pack_api):
+    commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
+                     str(CSRC), "-isystem", str(ffi), "-c", str(source),
+                     "-o", str(out_dir / (source.stem + ".o"))])
   return commands
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cuda_ffi
 from pallas_kernels import row_gather
 from rlk_jax import _dispatch, _validate, reference
 
@@ -76,7 +77,8 @@ class PackInfo:
   capacity: int
 
 
-def pack_info(mask, *, capacity: int | None = None) -> PackInfo:
+def pack_info(mask, *, capacity: int | None = None,
+              implementation: str | None = None) -> PackInfo:
   """Computes the :class:`PackInfo` of `mask`, on the device, with no host sync.
 
   Plain XLA ops, fused by XLA into a few small kernels: one prefix sum (CUB on
@@ -87,6 +89,10 @@ def pack_info(mask, *, capacity: int | None = None) -> PackInfo:
   Called eagerly with a concrete mask and ``capacity < mask.size``, it raises
   ``ValueError`` when the active rows do not fit. Under ``jit`` the overflow
   is reported in ``info.num_dropped`` (see :func:`check_no_overflow`).
+
+  `implementation` ``"cuda_ffi"`` computes it with the CUDA kernels instead
+  (the same integers; what ``pack(x, mask, implementation="cuda_ffi")``
+  uses); any other value, or None, the XLA ops.
   """
   if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
     mask = np.asarray(mask)
@@ -101,13 +107,20 @@ def pack_info(mask, *, capacity: int | None = None) -> PackInfo:
                      "positions; the int32 index maps need fewer than 2**31.")
   capacity = _validate.static_capacity("pack", capacity, size)
   if capacity < size and _validate.is_concrete(mask):
-    active = int(np.count_nonzero(np.asarray(mask)))
-    if active > capacity:
-      raise ValueError(
-          f"rlk_jax.pack: the mask (shape {mask_shape}) has {active} active "
-          f"rows but capacity is {capacity}; raise capacity to at least "
-          f"{active}. Nothing is dropped silently.")
+    check_fits("rlk_jax.pack", mask_shape,
+               int(np.count_nonzero(np.asarray(mask))), capacity)
+  if implementation == "cuda_ffi":
+    return _cuda_pack_info(jnp.asarray(mask), capacity)
   return _pack_info(jnp.asarray(mask), capacity)
+
+
+def check_fits(op: str, mask_shape: tuple, active: int, capacity: int) -> None:
+  """The eager overflow error: nothing is dropped silently."""
+  if active > capacity:
+    raise ValueError(
+        f"{op}: the mask (shape {tuple(mask_shape)}) has {active} active "
+        f"rows but capacity is {capacity}; raise capacity to at least "
+        f"{active}. Nothing is dropped silently.")
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -156,6 +169,12 @@ def _pack_info(mask: jax.Array, capacity: int) -> PackInfo:
       mask_shape=tuple(mask_shape), capacity=capacity)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _cuda_pack_info(mask: jax.Array, capacity: int) -> PackInfo:
+  fields = cuda_ffi.pack_info(mask != 0, capacity=capacity)
+  return PackInfo(*fields, mask_shape=tuple(mask.shape), capacity=capacity)
+
+
 def check_no_overflow(info: PackInfo) -> None:
   """Raises at run time, also under ``jit``, if the packing dropped rows.
 
@@ -185,6 +204,11 @@ TABLE = _dispatch.register_reference_and_pallas(
     pallas=row_gather.gather_rows,
     pallas_doc="Pallas row-gather kernel (Triton lowering on GPUs, the Pallas "
                "interpreter on CPUs)",
+    gpu_first=[_dispatch.Implementation(
+        "cuda_ffi", cuda_ffi.gather_rows, cuda_ffi.unavailable_reason,
+        "CUDA kernels through XLA FFI (SM90 library): the metadata in four "
+        "small kernels and the row gather; the torch bridge launches the "
+        "same kernels without a JAX call")],
 )
 
 
@@ -230,22 +254,24 @@ def pack(x, mask_or_info, *, capacity: int | None = None, fill_value=0,
     capacity: static row count of the result; default ``mask.size``. With a
       PackInfo it must be None or equal to ``info.capacity``.
     fill_value: static scalar written to the pad rows.
-    implementation: None (best available), ``"pallas"`` or ``"xla"``.
+    implementation: None (best available: ``"cuda_ffi"`` on SM90 GPUs with
+      the library, else ``"pallas"`` on GPUs, ``"xla"`` on CPUs), or one of
+      them by name.
     checked: also raise at run time (under jit too) if rows were dropped.
 
   Returns:
     ``(packed, info)``.
   """
+  impl = TABLE.select(implementation).name
   if isinstance(mask_or_info, PackInfo):
     info = mask_or_info
     check_reused_capacity("rlk_jax.pack", capacity, info.capacity)
   else:
-    info = pack_info(mask_or_info, capacity=capacity)
+    info = pack_info(mask_or_info, capacity=capacity, implementation=impl)
   x = _as_array(x)
   dtype = _validate.check_packable_dtype("pack", "x", x.dtype)
   _check_prefix("pack", x.shape, info.mask_shape)
   fill = _validate.static_fill("pack", "fill_value", fill_value, dtype)
-  impl = TABLE.select(implementation).name
   tail = x.shape[len(info.mask_shape):]
   src = x.reshape(math.prod(info.mask_shape), math.prod(tail))
   packed = _move_rows(impl, fill, src, info.gather_map,

@@ -3,7 +3,6 @@ the JAX op (jit-compiled once per signature) on the tensors' own device."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -11,11 +10,13 @@ import jax
 import torch
 
 import rlk_jax
-from rlk_jax import _det_gemm, _pack
-from rlk_torch_bridge import _sm90
+from rlk_jax import _det_gemm, _pack, _validate
+from rlk_torch_bridge import _cuda_pack, _packinfo, _sm90
 from rlk_torch_bridge._dlpack import (check_same_device, check_tensor,
-                                      jax_dtype, platform_of, to_jax, to_torch,
+                                      jax_dtype, platform_of, to_jax,
+                                      to_jax_all, to_torch, to_torch_all,
                                       torch_dtype)
+from rlk_torch_bridge._packinfo import PackInfo
 
 
 @jax.jit
@@ -43,7 +44,8 @@ class _DetGemm(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, a, b, out_dtype, implementation, transpose_b):
-    out, ctx.vjp = _det_gemm_vjp(to_jax(a), to_jax(b), out_dtype=out_dtype,
+    out, ctx.vjp = _det_gemm_vjp(*to_jax_all(a, b, one_computation=True),
+                                 out_dtype=out_dtype,
                                  implementation=implementation,
                                  transpose_b=transpose_b)
     return to_torch(out)
@@ -52,7 +54,7 @@ class _DetGemm(torch.autograd.Function):
   @torch.autograd.function.once_differentiable
   def backward(ctx, g):
     da, db = _apply_vjp(ctx.vjp, to_jax(g))
-    return to_torch(da), to_torch(db), None, None, None
+    return (*to_torch_all(da, db), None, None, None)
 
 
 def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
@@ -78,7 +80,7 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
   impl = call.implementation
   if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
     # Inference: no VJP residuals to build or keep.
-    return to_torch(_det_gemm_forward(to_jax(a), to_jax(b),
+    return to_torch(_det_gemm_forward(*to_jax_all(a, b, one_computation=True),
                                       out_dtype=jax_dtype(out_dtype),
                                       implementation=impl,
                                       transpose_b=transpose_b))
@@ -97,110 +99,137 @@ def _spec(t: torch.Tensor) -> _Spec:
 
 # ----------------------------------------------------------------------------
 # pack / unpack
+#
+# One jitted JAX call per op: pack from a mask computes the PackInfo and
+# packs in one executable and hands the info back as one buffer (see
+# _packinfo); pack/unpack with an info read that buffer. The VJP of pack is
+# unpack with fill 0 and the VJP of unpack is pack with fill 0: rlk_jax's own
+# custom_vjp rule (the same row-gather kernel with the two index maps
+# swapped), so the backward runs the opposite move.
 
-_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(rlk_jax.PackInfo)
-                     if f.name not in ("mask_shape", "capacity"))
-
-
-@dataclasses.dataclass
-class PackInfo:
-  """The torch side of ``rlk_jax.PackInfo``: the same fields, as tensors
-  (cu_seqlens, seq_lens, total, max_seqlen, num_dropped, segment_ids,
-  positions, valid, gather_map, scatter_map), plus ``mask_shape`` and
-  ``capacity``. Reusable: ``pack(y, info)`` packs another tensor with it.
-
-  The tensors are zero-copy views of the JAX arrays the pack computed; the
-  JAX PackInfo itself is kept and handed back to later calls (no DLPack
-  imports per reuse) as long as the fields are the same tensor objects.
-  Treat the fields as read-only: they alias JAX's buffers."""
-  cu_seqlens: torch.Tensor
-  seq_lens: torch.Tensor
-  total: torch.Tensor
-  max_seqlen: torch.Tensor
-  num_dropped: torch.Tensor
-  segment_ids: torch.Tensor
-  positions: torch.Tensor
-  valid: torch.Tensor
-  gather_map: torch.Tensor
-  scatter_map: torch.Tensor
-  mask_shape: tuple
-  capacity: int
-  # (the field tensors' ids, the JAX PackInfo they view)
-  _jax: tuple | None = dataclasses.field(default=None, repr=False,
-                                         compare=False)
-
-  @classmethod
-  def from_jax(cls, info) -> "PackInfo":
-    torch_info = cls(**{f: to_torch(getattr(info, f)) for f in _INFO_FIELDS},
-                     mask_shape=info.mask_shape, capacity=info.capacity)
-    torch_info._jax = (torch_info._field_ids(), info)
-    return torch_info
-
-  def _field_ids(self) -> tuple:
-    return tuple(id(getattr(self, f)) for f in _INFO_FIELDS)
-
-  def to_jax(self):
-    if self._jax is not None and self._jax[0] == self._field_ids():
-      return self._jax[1]
-    return rlk_jax.PackInfo(**{f: to_jax(getattr(self, f)) for f in _INFO_FIELDS},
-                            mask_shape=tuple(self.mask_shape),
-                            capacity=self.capacity)
+_STATIC = ("capacity", "fill", "implementation")
 
 
-def _move(direction, x, info, fill, implementation):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _pack_from_mask(x, mask, *, capacity, fill, implementation):
+  packed, info = rlk_jax.pack(x, mask, capacity=capacity, fill_value=fill,
+                              implementation=implementation)
+  return packed, _packinfo.info_to_bytes(info)
+
+
+@functools.partial(jax.jit, static_argnames=("direction", "mask_shape",
+                                             *_STATIC))
+def _move(x, info_buffer, *, direction, mask_shape, capacity, fill,
+          implementation):
+  info = _packinfo.info_from_bytes(info_buffer, mask_shape, capacity)
   if direction == "pack":
-    return rlk_jax.pack(x, info, fill_value=fill, implementation=implementation)[0]
+    return rlk_jax.pack(x, info, fill_value=fill,
+                        implementation=implementation)[0]
   return rlk_jax.unpack(x, info, fill_value=fill, implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("direction", "fill", "implementation"))
-def _move_vjp(x, info, *, direction, fill, implementation):
-  return jax.vjp(lambda x: _move(direction, x, info, fill, implementation), x)
+_OPPOSITE = {"pack": "unpack", "unpack": "pack"}
 
 
-@functools.partial(jax.jit, static_argnames=("direction", "fill", "implementation"))
-def _move_no_grad(x, info, *, direction, fill, implementation):
-  return _move(direction, x, info, fill, implementation)
+def _run_move(x, info: PackInfo, direction, fill, implementation):
+  return to_torch(_move(to_jax(x), info.jax_buffer(), direction=direction,
+                        mask_shape=info.mask_shape, capacity=info.capacity,
+                        fill=fill, implementation=implementation))
 
 
 class _MoveRows(torch.autograd.Function):
 
   @staticmethod
-  def forward(ctx, x, info, direction, fill, implementation, needs_grad):
-    # Grad mode is off inside forward: the caller decides `needs_grad`.
-    kwargs = dict(direction=direction, fill=fill, implementation=implementation)
-    if needs_grad:
-      out, ctx.vjp = _move_vjp(to_jax(x), info, **kwargs)
-    else:
-      out = _move_no_grad(to_jax(x), info, **kwargs)
-    return to_torch(out)
+  def forward(ctx, x, info, direction, fill, implementation):
+    ctx.info, ctx.direction, ctx.implementation = info, direction, implementation
+    return _run_move(x, info, direction, fill, implementation)
 
   @staticmethod
   @torch.autograd.function.once_differentiable
   def backward(ctx, g):
-    dx, = _apply_vjp(ctx.vjp, to_jax(g))
-    return to_torch(dx), None, None, None, None, None
+    return (_run_move(g, ctx.info, _OPPOSITE[ctx.direction], 0,
+                      ctx.implementation), None, None, None, None)
 
 
-def _move_rows(op, direction, x, info: PackInfo, fill_value, implementation):
-  impl = rlk_jax.selected_implementation("pack", implementation,
-                                         platform=platform_of(x))
-  if x.element_size() == 8:
-    # JAX without x64 narrows 8-byte dtypes on import; rows only move, so
-    # move their bytes as int32 pairs (a view) and keep every bit.
-    if x.requires_grad:
-      raise TypeError(f"rlk_torch_bridge.{op}: {x.dtype} with requires_grad "
-                      "needs JAX's x64 mode; use float32 or detach.")
-    words = x.contiguous().unsqueeze(-1).view(torch.int32)
-    if fill_value != 0:
-      raise ValueError(f"rlk_torch_bridge.{op}: fill_value must be 0 for "
-                       f"{x.dtype} (its bytes move as int32 pairs).")
-    out = _MoveRows.apply(words, info.to_jax(), direction, 0, impl, False)
-    return out.view(x.dtype).squeeze(-1)
-  needs_grad = (torch.is_grad_enabled() and x.requires_grad
-                and x.dtype.is_floating_point)
-  return _MoveRows.apply(x, info.to_jax(), direction, fill_value, impl,
-                         needs_grad)
+def _run_pack_from_mask(x, mask, capacity, fill, implementation):
+  packed, buffer = _pack_from_mask(*to_jax_all(x, mask, one_computation=True),
+                                   capacity=capacity, fill=fill,
+                                   implementation=implementation)
+  packed_t, buffer_t = to_torch_all(packed, buffer)
+  info = PackInfo.from_buffer(buffer_t, buffer, tuple(mask.shape), capacity)
+  return packed_t, info
+
+
+class _PackFromMask(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, mask, capacity, fill, implementation, info_out):
+    packed, info = _run_pack_from_mask(x, mask, capacity, fill, implementation)
+    ctx.info, ctx.implementation = info, implementation
+    info_out.append(info)
+    return packed
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    return (_run_move(g, ctx.info, "unpack", 0, ctx.implementation),
+            None, None, None, None, None)
+
+
+class _DirectMove(torch.autograd.Function):
+  """The cuda_ffi route: the same kernels, launched on torch's stream."""
+
+  @staticmethod
+  def forward(ctx, x, info, direction, fill):
+    ctx.info, ctx.direction = info, direction
+    return _cuda_pack.move(direction, x, info, fill)
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    return (_cuda_pack.move(_OPPOSITE[ctx.direction], g, ctx.info, 0),
+            None, None, None)
+
+
+def _as_int32_words(op, x, fill_value):
+  """8-byte rows move as int32 pairs (a view): JAX without x64 would narrow
+  them on import, and rows only move, so every bit is kept."""
+  if x.requires_grad:
+    raise TypeError(f"rlk_torch_bridge.{op}: {x.dtype} with requires_grad "
+                    "needs JAX's x64 mode; use float32 or detach.")
+  if fill_value != 0:
+    raise ValueError(f"rlk_torch_bridge.{op}: fill_value must be 0 for "
+                     f"{x.dtype} (its bytes move as int32 pairs).")
+  return x.contiguous().unsqueeze(-1).view(torch.int32)
+
+
+def _needs_grad(x):
+  return (torch.is_grad_enabled() and x.requires_grad
+          and x.dtype.is_floating_point)
+
+
+def _checked_fill(op, x, fill_value):
+  """rlk_jax's dtype and fill checks (the same messages)."""
+  dtype = _validate.check_packable_dtype(op, "x" if op == "pack" else "packed",
+                                         jax_dtype(x.dtype))
+  return _validate.static_fill(op, "fill_value", fill_value, dtype)
+
+
+def _move_rows(op, x, info, fill_value, impl):
+  """Rows of `x` moved with `info`: the direct CUDA launch for cuda_ffi on a
+  GPU, else one jitted JAX call through DLPack."""
+  if impl == "cuda_ffi" and x.is_cuda:
+    if _needs_grad(x):
+      return _DirectMove.apply(x, info, op, fill_value)
+    return _cuda_pack.move(op, x, info, fill_value)
+  dtype, words = x.dtype, x.element_size() == 8
+  if words:
+    x = _as_int32_words(op, x, fill_value)
+  if _needs_grad(x):
+    out = _MoveRows.apply(x, info, op, fill_value, impl)
+  else:
+    out = _run_move(x, info, op, fill_value, impl)
+  return out.view(dtype).squeeze(-1) if words else out
 
 
 def pack(x: torch.Tensor, mask_or_info, capacity: int | None = None,
@@ -209,20 +238,48 @@ def pack(x: torch.Tensor, mask_or_info, capacity: int | None = None,
 
   `mask_or_info` is a mask tensor (on x's device) or a :class:`PackInfo`
   from an earlier call, reused as is. Gradients flow to `x` (floating dtypes).
+  On SM90 GPUs (implementation ``"cuda_ffi"``, the default there) the CUDA
+  kernels run on torch's stream with no JAX call; elsewhere one jitted JAX
+  call through DLPack. With ``capacity < mask.numel()`` the overflow check
+  reads the active count back to the host (one sync), as rlk_jax.pack does
+  with a concrete mask; the default capacity never syncs.
   """
   check_tensor("pack", "x", x)
+  impl = rlk_jax.selected_implementation("pack", implementation,
+                                         platform=platform_of(x))
   if isinstance(mask_or_info, PackInfo):
     info = mask_or_info
     _pack.check_reused_capacity("rlk_torch_bridge.pack", capacity, info.capacity)
+    mask_shape = info.mask_shape
   else:
-    check_tensor("pack", "mask", mask_or_info)
-    check_same_device("pack", x=x, mask=mask_or_info)
-    info = PackInfo.from_jax(rlk_jax.pack_info(to_jax(mask_or_info),
-                                               capacity=capacity))
-  if tuple(x.shape[:len(info.mask_shape)]) != tuple(info.mask_shape):
-    raise ValueError(f"rlk_torch_bridge.pack: mask shape {tuple(info.mask_shape)} "
+    mask = mask_or_info
+    check_tensor("pack", "mask", mask)
+    check_same_device("pack", x=x, mask=mask)
+    _validate.check_mask_dtype("pack", jax_dtype(mask.dtype))
+    mask_shape = tuple(mask.shape)
+    capacity = _validate.static_capacity("pack", capacity, mask.numel())
+  if tuple(x.shape[:len(mask_shape)]) != tuple(mask_shape):
+    raise ValueError(f"rlk_torch_bridge.pack: mask shape {tuple(mask_shape)} "
                      f"must be a prefix of x's shape {tuple(x.shape)}.")
-  return _move_rows("pack", "pack", x, info, fill_value, implementation), info
+  fill = _checked_fill("pack", x, fill_value)
+  if isinstance(mask_or_info, PackInfo):
+    return _move_rows("pack", x, info, fill, impl), info
+  if capacity < mask.numel():
+    _pack.check_fits("rlk_torch_bridge.pack", mask_shape,
+                     int(torch.count_nonzero(mask)), capacity)
+  if impl == "cuda_ffi" and x.is_cuda:
+    info = _cuda_pack.pack_info(mask, capacity)
+    return _move_rows("pack", x, info, fill, impl), info
+  dtype, words = x.dtype, x.element_size() == 8
+  if words:
+    x = _as_int32_words("pack", x, fill)
+  if _needs_grad(x):
+    info_out = []
+    packed = _PackFromMask.apply(x, mask, capacity, fill, impl, info_out)
+    info = info_out[0]
+  else:
+    packed, info = _run_pack_from_mask(x, mask, capacity, fill, impl)
+  return (packed.view(dtype).squeeze(-1) if words else packed), info
 
 
 def unpack(packed: torch.Tensor, info: PackInfo, fill_value=0,
@@ -232,4 +289,11 @@ def unpack(packed: torch.Tensor, info: PackInfo, fill_value=0,
   if not isinstance(info, PackInfo):
     raise TypeError("rlk_torch_bridge.unpack: info must be the PackInfo "
                     f"returned by rlk_torch_bridge.pack, got {type(info).__name__}.")
-  return _move_rows("unpack", "unpack", packed, info, fill_value, implementation)
+  if packed.ndim < 1 or packed.shape[0] != info.capacity:
+    raise ValueError(f"rlk_torch_bridge.unpack: packed has shape "
+                     f"{tuple(packed.shape)}; its first axis must be the "
+                     f"capacity {info.capacity}.")
+  impl = rlk_jax.selected_implementation("pack", implementation,
+                                         platform=platform_of(packed))
+  return _move_rows("unpack", packed, info, _checked_fill("unpack", packed,
+                                                          fill_value), impl)

@@ -11,7 +11,7 @@ import torch
 
 import rlk_jax
 from rlk_torch_bridge._dlpack import (check_same_device, check_tensor,
-                                      platform_of, to_jax, to_torch)
+                                      platform_of, to_jax_all, to_torch_all)
 
 _STATIC = ("temperature", "chunk_size", "implementation")
 
@@ -43,16 +43,18 @@ class _LinearLogp(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, hidden, weight, targets, kwargs):
-    (logp, entropy), ctx.vjp = _logp_vjp(to_jax(hidden), to_jax(weight.t()),
-                                         to_jax(targets), **kwargs)
-    return to_torch(logp), to_torch(entropy)
+    (logp, entropy), ctx.vjp = _logp_vjp(
+        *to_jax_all(hidden, weight.t(), targets,
+                    one_computation=True), **kwargs)
+    return to_torch_all(logp, entropy)
 
   @staticmethod
   @torch.autograd.function.once_differentiable
   def backward(ctx, g_logp, g_entropy):
-    dh, dw_hv = _apply(ctx.vjp, to_jax(g_logp), to_jax(g_entropy))
+    grads = to_jax_all(g_logp, g_entropy, one_computation=True)
+    dh, dw_hv = to_torch_all(*_apply(ctx.vjp, *grads))
     # The weight is [V, H]: its gradient is the [H, V] one transposed (a view).
-    return to_torch(dh), to_torch(dw_hv).t(), None, None
+    return dh, dw_hv.t(), None, None
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
@@ -84,6 +86,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
     logp, entropy = _LinearLogp.apply(hidden, weight, targets, kwargs)
   else:
-    logp, entropy = map(to_torch, _logp_forward(
-        to_jax(hidden), to_jax(weight.t()), to_jax(targets), **kwargs))
+    logp, entropy = to_torch_all(*_logp_forward(
+        *to_jax_all(hidden, weight.t(), targets,
+                    one_computation=True), **kwargs))
   return (logp, entropy) if return_entropy else logp

@@ -31,6 +31,30 @@ def impl(request):
   return request.param
 
 
+def pack_implementations() -> tuple:
+  """pack's implementations that run here: on an SM90 GPU with the library
+  also its CUDA kernels (the torch bridge's direct route)."""
+  import rlk_jax
+  available = rlk_jax.implementations("pack")
+  return IMPLEMENTATIONS + (("cuda_ffi",) if available["cuda_ffi"] is None else ())
+
+
+@pytest.fixture
+def public_dlpack_forbidden(monkeypatch):
+  """The torch bridge must move tensors through jaxlib's DLPack entry points
+  directly (one stream handshake per call), never through the slow public
+  per-tensor functions: calling those inside the test fails it."""
+  import torch
+
+  from rlk_torch_bridge import _dlpack
+  assert _dlpack.FAST_PATH, "this jaxlib lacks the DLPack entry points"
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("the bridge called a public DLPack function")
+  monkeypatch.setattr(jax.dlpack, "from_dlpack", forbidden)
+  monkeypatch.setattr(torch, "from_dlpack", forbidden)
+
+
 def bits(a) -> np.ndarray:
   """The bit pattern of an array, for atol = rtol = 0 comparison (NaN-safe)."""
   a = np.asarray(a)

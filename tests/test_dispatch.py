@@ -9,9 +9,14 @@ from rlk_jax._pack import TABLE
 
 def test_default_choice_is_queryable_and_deterministic():
   assert rlk_jax.selected_implementation("pack", platform="cpu") == "xla"
-  assert rlk_jax.selected_implementation("pack", platform="gpu") == "pallas"
+  # On GPUs: the CUDA kernels where the SM90 library runs, else Pallas.
+  cuda_reason = rlk_jax.implementations("pack", platform="gpu")["cuda_ffi"]
+  assert rlk_jax.selected_implementation("pack", platform="gpu") == (
+      "pallas" if cuda_reason else "cuda_ffi")
   assert rlk_jax.selected_implementation("pack", "pallas", platform="cpu") == "pallas"
-  assert rlk_jax.implementations("pack", platform="cpu") == {"xla": None, "pallas": None}
+  on_cpu = rlk_jax.implementations("pack", platform="cpu")
+  assert on_cpu["xla"] is None and on_cpu["pallas"] is None
+  assert "needs a CUDA GPU" in on_cpu["cuda_ffi"]
 
 
 def test_named_unavailable_implementation_raises():

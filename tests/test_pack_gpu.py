@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from conftest import ON_GPU, assert_bitwise_equal, random_array, random_mask
+from conftest import (ON_GPU, assert_bitwise_equal, pack_implementations,
+                      random_array, random_mask)
 from test_pack import numpy_pack, numpy_unpack
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
 
 
-def test_gpu_default_is_pallas():
-  assert rlk_jax.selected_implementation("pack") == "pallas"
+def test_gpu_default_is_cuda_ffi_where_it_runs():
+  expected = "cuda_ffi" if "cuda_ffi" in pack_implementations() else "pallas"
+  assert rlk_jax.selected_implementation("pack") == expected
 
 
 @pytest.mark.parametrize("density", [0.05, 0.3, 1.0])
@@ -72,9 +74,81 @@ def test_gradients_at_size(rng):
   assert_bitwise_equal(g, numpy_unpack(w, mask, capacity, 0))
 
 
-def test_pallas_equals_xla_bitwise(rng):
+@pytest.mark.parametrize("impl", pack_implementations())
+def test_every_implementation_equals_xla_bitwise(impl, rng):
   mask = random_mask(rng, (32, 1024), 0.7)
   x = random_array(rng, (32, 1024, 1024), jnp.bfloat16)
-  a, _ = rlk_jax.pack(x, mask, implementation="pallas")
+  a, _ = rlk_jax.pack(x, mask, implementation=impl)
   b, _ = rlk_jax.pack(x, mask, implementation="xla")
   assert_bitwise_equal(a, b)
+
+
+needs_cuda_ffi = pytest.mark.skipif("cuda_ffi" not in pack_implementations(),
+                                    reason="needs the SM90 cuda_ffi library")
+
+
+def _mask_cases(rng):
+  """Masks the CUDA metadata kernels must get right: one and many 4096-
+  position tiles, sequence ends inside and across tiles, empty masks, rank
+  1 and 3, non-bool dtypes (int8 {0, 2}; float with -0.0 inactive, NaN
+  active)."""
+  floats = random_mask(rng, (6, 700), 0.5).astype(np.float32) * 1.5
+  floats[0, :5] = [-0.0, np.nan, 0.0, -2.0, np.inf]
+  return [
+      (random_mask(rng, (5, 37), 0.5), None),
+      (random_mask(rng, (5, 37), 0.5), 200),  # more pad rows than positions
+      (random_mask(rng, (3, 10000), 0.3), None),
+      (random_mask(rng, (64, 4096), 0.05), None),
+      (random_mask(rng, (2, 4097), 1.0), None),
+      (random_mask(rng, (9, 513), 0.0), 17),
+      (random_mask(rng, (40000,), 0.5), None),  # rank 1: one row per sequence
+      (random_mask(rng, (4, 33, 7), 0.4), None),
+      ((random_mask(rng, (8, 300), 0.5) * 2).astype(np.int8), 2399),
+      (floats, None),
+      (np.zeros((0, 5), bool), 3),
+      (np.zeros((4, 0), bool), 2),
+      (random_mask(rng, (8, 100), 0.0), 0),
+  ]
+
+
+@needs_cuda_ffi
+def test_cuda_metadata_equals_xla_field_by_field(rng):
+  for mask, capacity in _mask_cases(rng):
+    got = rlk_jax.pack_info(jnp.asarray(mask), capacity=capacity,
+                            implementation="cuda_ffi")
+    want = rlk_jax.pack_info(jnp.asarray(mask), capacity=capacity)
+    for field in ("cu_seqlens", "seq_lens", "total", "max_seqlen",
+                  "num_dropped", "segment_ids", "positions", "valid",
+                  "gather_map", "scatter_map"):
+      assert_bitwise_equal(getattr(got, field), getattr(want, field),
+                           f"{field} of a {mask.shape} {mask.dtype} mask, "
+                           f"capacity {capacity}")
+
+
+@needs_cuda_ffi
+def test_cuda_metadata_under_jit_reports_dropped_rows(rng):
+  mask = jnp.asarray(random_mask(rng, (16, 5000), 0.5))
+  capacity = 1000  # far fewer than the active rows: the rest are dropped
+  got, want = (jax.jit(lambda m: rlk_jax.pack_info(m, capacity=capacity,
+                                                   implementation=i))(mask)
+               for i in ("cuda_ffi", "xla"))
+  assert int(got.num_dropped) == int(mask.sum()) - capacity
+  for field in ("gather_map", "scatter_map", "positions", "segment_ids",
+                "cu_seqlens", "max_seqlen", "valid"):
+    assert_bitwise_equal(getattr(got, field), getattr(want, field), field)
+
+
+@needs_cuda_ffi
+@pytest.mark.parametrize("tail,dtype", [((), jnp.int32), ((3,), jnp.bfloat16),
+                                        ((5,), jnp.float16), ((4096,), jnp.bfloat16),
+                                        ((2, 3, 4), jnp.float32),
+                                        ((7,), jnp.int8)])
+def test_cuda_row_gather_every_row_width(tail, dtype, rng):
+  mask = random_mask(rng, (6, 333), 0.4)
+  x = random_array(rng, (6, 333, *tail), dtype)
+  fill = -7
+  packed, info = rlk_jax.pack(x, mask, capacity=int(mask.sum()) + 9,
+                              fill_value=fill, implementation="cuda_ffi")
+  assert_bitwise_equal(packed, numpy_pack(x, mask, int(mask.sum()) + 9, fill))
+  dense = rlk_jax.unpack(packed, info, fill_value=3, implementation="cuda_ffi")
+  assert_bitwise_equal(dense, numpy_unpack(packed, mask, int(mask.sum()) + 9, 3))

@@ -2,10 +2,11 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import rlk_jax
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, pack_implementations
 from test_pack import assert_info_matches, numpy_pack, numpy_unpack
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32]
@@ -59,3 +60,12 @@ def test_xla_matches_numpy(case):
 @given(packing_case())
 def test_pallas_matches_numpy(case):
   check_case(case, "pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("cuda_ffi" not in pack_implementations(),
+                    reason="needs the SM90 cuda_ffi library on a GPU")
+@settings(max_examples=60, **_SETTINGS)
+@given(packing_case())
+def test_cuda_ffi_matches_numpy(case):
+  check_case(case, "cuda_ffi")

@@ -213,3 +213,17 @@ def test_pack_info_reuse_hands_back_the_jax_info(rng):
   moved = dataclasses.replace(info, valid=info.valid.clone())
   assert moved.to_jax() is not info.to_jax()
   assert torch.equal(rtb.unpack(packed, moved), rtb.unpack(packed, info))
+
+
+def test_ops_take_the_fast_dlpack_route(rng, public_dlpack_forbidden):
+  mask = torch.from_numpy(rng.random((5, 12)) < 0.5)
+  x = randn(rng, (5, 12, 3)).requires_grad_()
+  packed, info = rtb.pack(x, mask)
+  dense = rtb.unpack(packed * 2, info)
+  dense.sum().backward()
+  assert torch.equal(x.grad, torch.where(mask[..., None], 2.0, 0.0).expand_as(x))
+  assert torch.equal(info.cu_seqlens[1:] - info.cu_seqlens[:-1],
+                     mask.sum(1).to(torch.int32))
+  a, b = randn(rng, (4, 8)).requires_grad_(), randn(rng, (8, 3))
+  rtb.det_gemm(a, b, implementation="xla").sum().backward()
+  assert a.grad.shape == (4, 8)

@@ -42,14 +42,21 @@ def _routes():
       # the DLPack route: JAX's stream waits for torch's, and the reverse
       "det_gemm_dlpack": (lambda x: rtb.det_gemm(x, w, implementation="pallas"),
                           (2048, 1024), torch.bfloat16),
+      # pack's default on SM90: the cuda_ffi kernels on torch's stream
+      "pack_from_mask": (lambda x: rtb.pack(x, mask)[0], (64, 128, 256), torch.float32),
       "pack": (lambda x: rtb.pack(x, info)[0], (64, 128, 256), torch.float32),
       "unpack": (lambda x: rtb.unpack(x, info), packed_shape, torch.float32),
+      "pack_from_mask_dlpack": (lambda x: rtb.pack(x, mask, implementation="pallas")[0],
+                                (64, 128, 256), torch.float32),
+      "unpack_dlpack": (lambda x: rtb.unpack(x, info, implementation="pallas"),
+                        packed_shape, torch.float32),
   }
 
 
-@pytest.mark.parametrize("route", ["det_gemm_default", "det_gemm_dlpack", "pack",
-                                   "unpack"])
-def test_stream_order_lifetime_and_no_host_sync(route):
+@pytest.mark.parametrize("route", ["det_gemm_default", "det_gemm_dlpack",
+                                   "pack_from_mask", "pack", "unpack",
+                                   "pack_from_mask_dlpack", "unpack_dlpack"])
+def test_stream_order_lifetime_and_no_host_sync(route, public_dlpack_forbidden):
   """200 times: a long torch kernel, then torch writes the input on its
   stream right before the call (the call must see the new values); the input
   is freed right after the call and its memory refilled with NaN by torch
@@ -71,6 +78,33 @@ def test_stream_order_lifetime_and_no_host_sync(route):
     garbage = torch.full(shape, float("nan"), device="cuda", dtype=dtype)  # ...here
     assert torch.equal(out, expected[i % 2]), f"{route}: iteration {i}"
     del garbage
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_pack_routes_same_bits_and_gradients_as_jax(implementation):
+  """The direct CUDA route (default on SM90) and the DLPack route: packed
+  rows and every info field equal rlk_jax's; gradients of
+  unpack(3 * pack(x)) equal 3 w where active."""
+  mask = torch.rand(12, 777, device="cuda") < 0.4
+  mask[3] = False  # an empty sequence
+  x = torch.randn(12, 777, 48, device="cuda").requires_grad_()
+  packed, info = rtb.pack(x, mask, capacity=int(mask.sum()) + 31, fill_value=-2,
+                          implementation=implementation)
+  j_packed, j_info = rlk_jax.pack(jnp.asarray(x.detach().cpu().numpy()),
+                                  mask.cpu().numpy(), capacity=info.capacity,
+                                  fill_value=-2)
+  assert np.array_equal(packed.detach().cpu().numpy().view(np.int32),
+                        np.asarray(j_packed).view(np.int32))
+  for field in ("cu_seqlens", "seq_lens", "total", "max_seqlen", "num_dropped",
+                "segment_ids", "positions", "valid", "gather_map", "scatter_map"):
+    assert np.array_equal(getattr(info, field).cpu().numpy(),
+                          np.asarray(getattr(j_info, field))), field
+  w = torch.randn(12, 777, 48, device="cuda")
+  (rtb.unpack(packed * 3, info, implementation=implementation) * w).sum().backward()
+  assert torch.equal(x.grad, torch.where(mask[..., None], 3 * w, 0.0))
+  ids = torch.randint(-2**40, 2**40, (12, 777), device="cuda")  # int64 rows
+  packed_ids, _ = rtb.pack(ids, info, implementation=implementation)
+  assert torch.equal(packed_ids[:int(mask.sum())], ids[mask])
 
 
 def test_det_linear_rows_invariant_on_cuda():

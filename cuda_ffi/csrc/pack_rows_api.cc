@@ -1,0 +1,145 @@
+// Entry points of the pack kernels: XLA FFI handlers (JAX) and plain C
+// functions (the torch bridge, on torch's current stream). Both launch the
+// same kernels (pack_rows.h).
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "pack_rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace rlk {
+namespace {
+
+thread_local std::string pack_error;
+
+const char* ErrorOf(cudaError_t status) {
+  if (status == cudaSuccess) return nullptr;
+  pack_error = std::string("rlk cuda_ffi pack: ") + cudaGetErrorString(status);
+  return pack_error.c_str();
+}
+
+ffi::Error PackInfoFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                       ffi::AnyBuffer active, ffi::Result<ffi::AnyBuffer> cu,
+                       ffi::Result<ffi::AnyBuffer> seq_lens,
+                       ffi::Result<ffi::AnyBuffer> total,
+                       ffi::Result<ffi::AnyBuffer> max_seqlen,
+                       ffi::Result<ffi::AnyBuffer> num_dropped,
+                       ffi::Result<ffi::AnyBuffer> segment_ids,
+                       ffi::Result<ffi::AnyBuffer> positions,
+                       ffi::Result<ffi::AnyBuffer> valid,
+                       ffi::Result<ffi::AnyBuffer> gather_map,
+                       ffi::Result<ffi::AnyBuffer> scatter_map, int64_t n_seq,
+                       int64_t width, int64_t capacity) {
+  if (active.element_type() != ffi::PRED ||
+      static_cast<int64_t>(active.element_count()) != n_seq * width) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi pack_info: the mask must be bool with n_seq * width "
+        "elements");
+  }
+  auto bytes = scratch.Allocate(PackInfoScratchBytes(n_seq * width), 16);
+  if (!bytes.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "rlk cuda_ffi pack_info: no scratch memory");
+  }
+  auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) {
+    return static_cast<int32_t*>(b->untyped_data());
+  };
+  PackInfoOut out{i32(cu), i32(seq_lens), i32(total), i32(max_seqlen),
+                  i32(num_dropped), i32(segment_ids), i32(positions),
+                  static_cast<uint8_t*>(valid->untyped_data()), i32(gather_map),
+                  i32(scatter_map)};
+  const char* error = ErrorOf(PackInfoFromMask(
+      stream, static_cast<const uint8_t*>(active.untyped_data()), n_seq, width,
+      capacity, *bytes, out));
+  return error ? ffi::Error::Internal(error) : ffi::Error::Success();
+}
+
+ffi::Error GatherRowsFfi(cudaStream_t stream, ffi::AnyBuffer src,
+                         ffi::Buffer<ffi::S32> idx,
+                         ffi::Result<ffi::AnyBuffer> dst, int64_t fill_bits) {
+  auto ds = src.dimensions(), dd = dst->dimensions();
+  if (ds.size() != 2 || dd.size() != 2 || ds[1] != dd[1] ||
+      src.element_type() != dst->element_type() ||
+      static_cast<int64_t>(idx.element_count()) != dd[0]) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi gather_rows: src [N, D], idx [M] and dst [M, D] of one "
+        "dtype expected");
+  }
+  const int64_t elem_bytes = ffi::ByteWidth(src.element_type());
+  const char* error = ErrorOf(GatherRows(
+      stream, src.untyped_data(), idx.typed_data(), dd[0], dd[1] * elem_bytes,
+      elem_bytes, static_cast<uint64_t>(fill_bits), dst->untyped_data()));
+  return error ? ffi::Error::Internal(error) : ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace rlk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackInfo, rlk::PackInfoFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("n_seq")
+                                  .Attr<int64_t>("width")
+                                  .Attr<int64_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fill_bits"));
+
+extern "C" {
+
+// The torch bridge's entries: launch on `stream` (torch's current stream).
+// Return NULL, or a message valid until the next call on this thread.
+
+int64_t rlk_pack_info_scratch_bytes(int64_t size) {
+  return rlk::PackInfoScratchBytes(size);
+}
+
+const char* rlk_pack_info(void* stream, const void* active, int64_t n_seq,
+                          int64_t width, int64_t capacity, void* scratch,
+                          void* cu_seqlens, void* seq_lens, void* total,
+                          void* max_seqlen, void* num_dropped,
+                          void* segment_ids, void* positions, void* valid,
+                          void* gather_map, void* scatter_map) {
+  using namespace rlk;
+  auto i32 = [](void* p) { return static_cast<int32_t*>(p); };
+  PackInfoOut out{i32(cu_seqlens), i32(seq_lens), i32(total), i32(max_seqlen),
+                  i32(num_dropped), i32(segment_ids), i32(positions),
+                  static_cast<uint8_t*>(valid), i32(gather_map),
+                  i32(scatter_map)};
+  return ErrorOf(PackInfoFromMask(static_cast<cudaStream_t>(stream),
+                                  static_cast<const uint8_t*>(active), n_seq,
+                                  width, capacity, scratch, out));
+}
+
+const char* rlk_gather_rows(void* stream, const void* src, const void* idx,
+                            int64_t out_rows, int64_t row_bytes,
+                            int64_t elem_bytes, uint64_t fill_bits,
+                            void* dst) {
+  using namespace rlk;
+  return ErrorOf(GatherRows(static_cast<cudaStream_t>(stream), src,
+                            static_cast<const int32_t*>(idx), out_rows,
+                            row_bytes, elem_bytes, fill_bits, dst));
+}
+
+}  // extern "C"

@@ -1,0 +1,301 @@
+// The kernels behind pack_rows.h. Masks are read as tiles of kTile
+// positions: a tile's active count, an exclusive scan over the tiles, then
+// each tile rescans its own positions from its offset, so every field is
+// written by exactly one thread (no atomics except the order-free max).
+// Masks of up to 16384 positions take one block for all three steps.
+#include <algorithm>
+#include <cstring>
+
+#include "pack_rows.h"
+
+namespace rlk {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPerThread = 16;
+constexpr int64_t kTile = kThreads * kPerThread;
+constexpr int kScanThreads = 1024;
+
+int64_t NumTiles(int64_t size) { return (size + kTile - 1) / kTile; }
+
+// Exclusive prefix sum over the block (blockDim.x a multiple of 32, at most
+// 1024 threads); `*block_total` gets the sum.
+__device__ int BlockExclusiveScan(int value, int* block_total) {
+  __shared__ int warp_sums[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = value;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int n_warps = blockDim.x >> 5;
+    int s = lane < n_warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int up = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += up;
+    }
+    warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const int warp_offset = warp == 0 ? 0 : warp_sums[warp - 1];
+  *block_total = warp_sums[(blockDim.x >> 5) - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return warp_offset + inclusive - value;
+}
+
+// One thread's kPerThread consecutive positions, read once into registers.
+struct ThreadBits {
+  uint8_t bits[kPerThread];
+  int count;
+};
+
+__device__ ThreadBits LoadThreadBits(const uint8_t* active, int64_t size,
+                                     int64_t first) {
+  ThreadBits t;
+  t.count = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t p = first + j;
+    t.bits[j] = (p < size && active[p]) ? 1 : 0;
+    t.count += t.bits[j];
+  }
+  return t;
+}
+
+__global__ void TileCounts(const uint8_t* active, int64_t size,
+                           int32_t* tile_counts) {
+  const int64_t first =
+      blockIdx.x * kTile + static_cast<int64_t>(threadIdx.x) * kPerThread;
+  int total;
+  BlockExclusiveScan(LoadThreadBits(active, size, first).count, &total);
+  if (threadIdx.x == 0) tile_counts[blockIdx.x] = total;
+}
+
+// The scalars every path writes once the active total is known; an empty
+// mask's cu_seqlens too (no position writes them).
+__device__ void WriteTotals(int total, int64_t capacity, int64_t n_seq,
+                            int64_t size, const PackInfoOut& out) {
+  if (threadIdx.x == 0) {
+    *out.total = total;
+    *out.num_dropped = total > capacity ? static_cast<int32_t>(total - capacity) : 0;
+    *out.max_seqlen = 0;
+    out.cu_seqlens[0] = 0;
+  }
+  if (size == 0) {
+    for (int64_t s = threadIdx.x; s < n_seq; s += blockDim.x) {
+      out.cu_seqlens[s + 1] = 0;
+    }
+  }
+}
+
+// One block: tile offsets and the totals.
+__global__ void ScanTiles(const int32_t* tile_counts, int64_t n_tiles,
+                          int64_t capacity, int64_t n_seq, int64_t size,
+                          int32_t* tile_offsets, PackInfoOut out) {
+  int carry = 0;
+  for (int64_t base = 0; base < n_tiles; base += kScanThreads) {
+    const int64_t t = base + threadIdx.x;
+    const int count = t < n_tiles ? tile_counts[t] : 0;
+    int chunk_total;
+    const int offset = BlockExclusiveScan(count, &chunk_total);
+    if (t < n_tiles) tile_offsets[t] = carry + offset;
+    carry += chunk_total;
+  }
+  WriteTotals(carry, capacity, n_seq, size, out);
+}
+
+// The per-position and per-kept-row fields of one thread's positions, the
+// first of which is the `running`-th active position of the mask.
+__device__ void WriteFields(const ThreadBits& t, int64_t first, int64_t size,
+                            int64_t width, int64_t capacity, int running,
+                            const PackInfoOut& out) {
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t p = first + j;
+    if (p < size) {
+      const int row = running;  // the packed row of p, if it is active
+      running += t.bits[j];
+      const bool kept = t.bits[j] && row < capacity;
+      out.scatter_map[p] = kept ? row : -1;
+      if (kept) {
+        out.gather_map[row] = static_cast<int32_t>(p);
+        out.segment_ids[row] = static_cast<int32_t>(p / width);
+        out.valid[row] = 1;
+      }
+      if ((p + 1) % width == 0) out.cu_seqlens[p / width + 1] = running;
+    }
+  }
+}
+
+__global__ void TileFields(const uint8_t* active, int64_t size, int64_t width,
+                           int64_t capacity, const int32_t* tile_offsets,
+                           PackInfoOut out) {
+  const int64_t first =
+      blockIdx.x * kTile + static_cast<int64_t>(threadIdx.x) * kPerThread;
+  const ThreadBits t = LoadThreadBits(active, size, first);
+  int unused;
+  const int running =
+      tile_offsets[blockIdx.x] + BlockExclusiveScan(t.count, &unused);
+  WriteFields(t, first, size, width, capacity, running, out);
+}
+
+// Masks of at most kSmallMask positions: counts, scan and fields in one
+// block (one launch instead of three).
+constexpr int64_t kSmallMask = kScanThreads * kPerThread;
+
+__global__ void SmallMaskFields(const uint8_t* active, int64_t n_seq,
+                                int64_t width, int64_t capacity,
+                                PackInfoOut out) {
+  const int64_t size = n_seq * width;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * kPerThread;
+  const ThreadBits t = LoadThreadBits(active, size, first);
+  int total;
+  const int running = BlockExclusiveScan(t.count, &total);
+  WriteTotals(total, capacity, n_seq, size, out);
+  WriteFields(t, first, size, width, capacity, running, out);
+}
+
+// Per packed row: positions of the kept rows, the pad rows' fields; per
+// sequence: seq_lens and max_seqlen.
+__global__ void FinishFields(int64_t n_seq, int64_t capacity, PackInfoOut out) {
+  const int64_t kept = min(static_cast<int64_t>(*out.total), capacity);
+  const int64_t n = max(capacity, n_seq);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < capacity) {
+      if (i < kept) {
+        out.positions[i] =
+            static_cast<int32_t>(i) - out.cu_seqlens[out.segment_ids[i]];
+      } else {
+        out.gather_map[i] = -1;
+        out.segment_ids[i] = -1;
+        out.positions[i] = 0;
+        out.valid[i] = 0;
+      }
+    }
+    if (i < n_seq) {
+      const int32_t len = out.cu_seqlens[i + 1] - out.cu_seqlens[i];
+      out.seq_lens[i] = len;
+      atomicMax(out.max_seqlen, len);  // a max: the same whatever the order
+    }
+  }
+}
+
+template <typename Unit>
+__global__ void GatherRowsPerBlock(const Unit* src, const int32_t* idx,
+                                   int64_t units_per_row, Unit fill,
+                                   Unit* dst) {
+  // One block per output row: wide rows (hidden states).
+  const int64_t r = blockIdx.x;
+  const int32_t s = idx[r];
+  Unit* out = dst + r * units_per_row;
+  if (s < 0) {
+    for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) out[u] = fill;
+    return;
+  }
+  const Unit* in = src + static_cast<int64_t>(s) * units_per_row;
+#pragma unroll 4
+  for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) out[u] = in[u];
+}
+
+template <typename Unit>
+__global__ void GatherRowsFlat(const Unit* src, const int32_t* idx,
+                               int64_t out_rows, int64_t units_per_row,
+                               Unit fill, Unit* dst) {
+  // Narrow rows (ids, labels, log-probs): threads over all output units.
+  const int64_t n = out_rows * units_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / units_per_row, u = i - r * units_per_row;
+    const int32_t s = idx[r];
+    dst[i] = s < 0 ? fill : src[static_cast<int64_t>(s) * units_per_row + u];
+  }
+}
+
+template <typename Unit>
+cudaError_t LaunchGather(cudaStream_t stream, const void* src,
+                         const int32_t* idx, int64_t out_rows,
+                         int64_t units_per_row, const uint8_t* pattern,
+                         void* dst) {
+  Unit fill;
+  std::memcpy(&fill, pattern, sizeof(Unit));
+  if (units_per_row >= 128 && out_rows <= INT32_MAX) {
+    GatherRowsPerBlock<Unit><<<static_cast<unsigned>(out_rows), kThreads, 0,
+                               stream>>>(static_cast<const Unit*>(src), idx,
+                                         units_per_row, fill,
+                                         static_cast<Unit*>(dst));
+  } else {
+    const int64_t n = out_rows * units_per_row;
+    const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
+    GatherRowsFlat<Unit><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        static_cast<const Unit*>(src), idx, out_rows, units_per_row, fill,
+        static_cast<Unit*>(dst));
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t PackInfoScratchBytes(int64_t size) {
+  return 2 * sizeof(int32_t) * std::max<int64_t>(NumTiles(size), 1);
+}
+
+cudaError_t PackInfoFromMask(cudaStream_t stream, const uint8_t* active,
+                             int64_t n_seq, int64_t width, int64_t capacity,
+                             void* scratch, const PackInfoOut& out) {
+  const int64_t size = n_seq * width;
+  const int64_t n_tiles = NumTiles(size);
+  if (size <= kSmallMask) {
+    SmallMaskFields<<<1, kScanThreads, 0, stream>>>(active, n_seq, width,
+                                                    capacity, out);
+  } else {
+    int32_t* tile_counts = static_cast<int32_t*>(scratch);
+    int32_t* tile_offsets = tile_counts + n_tiles;
+    TileCounts<<<static_cast<unsigned>(n_tiles), kThreads, 0, stream>>>(
+        active, size, tile_counts);
+    ScanTiles<<<1, kScanThreads, 0, stream>>>(tile_counts, n_tiles, capacity,
+                                              n_seq, size, tile_offsets, out);
+    TileFields<<<static_cast<unsigned>(n_tiles), kThreads, 0, stream>>>(
+        active, size, width, capacity, tile_offsets, out);
+  }
+  const int64_t n = std::max(capacity, n_seq);
+  if (n > 0) {
+    const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
+    FinishFields<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        n_seq, capacity, out);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t GatherRows(cudaStream_t stream, const void* src,
+                       const int32_t* idx, int64_t out_rows, int64_t row_bytes,
+                       int64_t elem_bytes, uint64_t fill_bits, void* dst) {
+  if (out_rows == 0 || row_bytes == 0) return cudaSuccess;
+  // The widest unit that divides the rows, is aligned in both buffers and
+  // holds whole elements; the fill is the element's bytes repeated.
+  uint8_t pattern[16];
+  for (int i = 0; i < 16; ++i) {
+    pattern[i] = static_cast<uint8_t>(fill_bits >> (8 * (i % elem_bytes)));
+  }
+  const uintptr_t align =
+      reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  for (int64_t unit : {16, 8, 4, 2, 1}) {
+    if (unit < elem_bytes || row_bytes % unit != 0 || align % unit != 0) continue;
+    const int64_t upr = row_bytes / unit;
+    switch (unit) {
+      case 16: return LaunchGather<uint4>(stream, src, idx, out_rows, upr, pattern, dst);
+      case 8: return LaunchGather<uint2>(stream, src, idx, out_rows, upr, pattern, dst);
+      case 4: return LaunchGather<uint32_t>(stream, src, idx, out_rows, upr, pattern, dst);
+      case 2: return LaunchGather<uint16_t>(stream, src, idx, out_rows, upr, pattern, dst);
+      default: return LaunchGather<uint8_t>(stream, src, idx, out_rows, upr, pattern, dst);
+    }
+  }
+  return cudaErrorInvalidValue;  // rows not a whole number of elements
+}
+
+}  // namespace rlk

@@ -1,0 +1,97 @@
+"""pack / unpack launched straight from torch: the cuda_ffi kernels that
+rlk_jax's ``"cuda_ffi"`` pack implementation calls through XLA FFI (the
+metadata kernels and the row gather), so the same integers and bytes,
+without the DLPack round trip and the JAX dispatch (the bridge's per-call
+cost).
+
+Stream order and lifetime hold by construction: every kernel is enqueued on
+torch's current stream and reads and writes torch tensors, so torch's caching
+allocator, which is stream-ordered, cannot reuse an input's memory before the
+kernel that reads it ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+import cuda_ffi
+from rlk_torch_bridge import _packinfo
+from rlk_torch_bridge._dlpack import _current_stream_handle, jax_dtype
+from rlk_torch_bridge._packinfo import PackInfo
+
+_ALIGN = 16  # the scratch after the fields starts 16-byte aligned
+
+
+@functools.lru_cache(maxsize=None)
+def _info_plan(mask_shape: tuple, capacity: int):
+  """(field byte offsets in FIELDS order, info bytes, scratch offset, total
+  bytes) of the one allocation a pack_info launch writes."""
+  placed, nbytes = _packinfo.layout(mask_shape, capacity)
+  offsets = {name: offset for name, _, offset in placed}
+  scratch_at = -(-nbytes // _ALIGN) * _ALIGN
+  scratch = cuda_ffi.pack_info_scratch_bytes(math.prod(mask_shape))
+  return (tuple(offsets[f] for f in _packinfo.FIELDS), nbytes, scratch_at,
+          scratch_at + scratch)
+
+
+def pack_info(mask: torch.Tensor, capacity: int) -> PackInfo:
+  """The PackInfo of `mask` (any dtype, nonzero = active), on its stream."""
+  mask_shape = tuple(mask.shape)
+  active = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+  offsets, nbytes, scratch_at, total = _info_plan(mask_shape, capacity)
+  buffer = torch.empty(total, dtype=torch.uint8, device=mask.device)
+  base = buffer.data_ptr()
+  n_seq = mask_shape[0]
+  width = active.numel() // n_seq if n_seq else 0
+  cuda_ffi.launch_pack_info(
+      _current_stream_handle(mask.device.index), active.data_ptr(), n_seq,
+      width, capacity, base + scratch_at, [base + o for o in offsets])
+  return PackInfo.from_buffer(buffer[:nbytes], None, mask_shape, capacity)
+
+
+def _index_map(info: PackInfo, name: str) -> tuple[int, object]:
+  """(device address, the tensor that owns it) of an int32 index map: the
+  info buffer itself while its fields are untouched (no view is made)."""
+  address = info.field_address(name)
+  if address is not None:
+    return address, info
+  index = getattr(info, name).to(torch.int32).contiguous()
+  return index.data_ptr(), index
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_bits(fill, dtype: torch.dtype) -> int:
+  return cuda_ffi.fill_bits(fill, np.dtype(jax_dtype(dtype)))
+
+
+def gather_rows(src: torch.Tensor, index_address: int, out_shape: tuple,
+                row_elems: int, fill) -> torch.Tensor:
+  """``out[r] = src_rows[index[r]]`` or `fill` where ``index[r] < 0``, for
+  the ``out_shape[0]`` rows of the int32 index at `index_address`, rows of
+  `row_elems` elements."""
+  src = src.contiguous()
+  out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
+  cuda_ffi.launch_gather_rows(
+      _current_stream_handle(src.device.index), src.data_ptr(), index_address,
+      math.prod(out_shape[:1]) if out_shape else 1,
+      row_elems * src.element_size(), src.element_size(),
+      _fill_bits(fill, src.dtype), out.data_ptr())
+  return out
+
+
+def move(direction: str, x: torch.Tensor, info: PackInfo, fill) -> torch.Tensor:
+  """pack (``[*mask_shape, *tail]`` -> ``[capacity, *tail]``) or unpack."""
+  if direction == "pack":
+    tail = tuple(x.shape[len(info.mask_shape):])
+    address, _owner = _index_map(info, "gather_map")
+    return gather_rows(x, address, (info.capacity, *tail), math.prod(tail),
+                       fill)
+  tail = tuple(x.shape[1:])
+  address, _owner = _index_map(info, "scatter_map")
+  out = gather_rows(x, address, (math.prod(info.mask_shape), *tail),
+                    math.prod(tail), fill)
+  return out.view(*info.mask_shape, *tail)
