@@ -41,6 +41,7 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+@functools.cache  # asked on every dispatch; the process's GPUs do not change
 def _sm90_reason() -> str | None:
   import jax
   try:
@@ -234,8 +235,9 @@ def gather_rows(src, idx, fill):
       GATHER_ROWS_TARGET,
       jax.ShapeDtypeStruct((idx.shape[0], src.shape[1]), src.dtype),
       vmap_method="sequential")
-  return call(src, idx, fill_bits=np.int64(
-      np.uint64(fill_bits(fill, src.dtype)).astype(np.int64)))
+  # (the same 64 bits as the C entry's uint64, as the int64 FFI attribute)
+  bits = np.array(fill_bits(fill, src.dtype), np.uint64).view(np.int64)
+  return call(src, idx, fill_bits=bits[()])
 
 
 def launch_pack_info(stream: int, active_ptr: int, n_seq: int, width: int,

@@ -2,12 +2,8 @@
 rlk_jax's ``"cuda_ffi"`` pack implementation calls through XLA FFI (the
 metadata kernels and the row gather), so the same integers and bytes,
 without the DLPack round trip and the JAX dispatch (the bridge's per-call
-cost).
-
-Stream order and lifetime hold by construction: every kernel is enqueued on
-torch's current stream and reads and writes torch tensors, so torch's caching
-allocator, which is stream-ordered, cannot reuse an input's memory before the
-kernel that reads it ran.
+cost). Stream order and lifetime hold by construction, as for det_gemm's
+direct route (see ``_sm90``).
 """
 
 from __future__ import annotations
@@ -28,10 +24,10 @@ _ALIGN = 16  # the scratch after the fields starts 16-byte aligned
 
 @functools.lru_cache(maxsize=None)
 def _info_plan(mask_shape: tuple, capacity: int):
-  """(field byte offsets in FIELDS order, info bytes, scratch offset, total
-  bytes) of the one allocation a pack_info launch writes."""
-  placed, nbytes = _packinfo.layout(mask_shape, capacity)
-  offsets = {name: offset for name, _, offset in placed}
+  """(field addresses' offsets in FIELDS order, info bytes, scratch offset,
+  total bytes) of the one allocation a pack_info launch writes."""
+  nbytes = _packinfo.layout(mask_shape, capacity)[1]
+  offsets = _packinfo.offsets(mask_shape, capacity)
   scratch_at = -(-nbytes // _ALIGN) * _ALIGN
   scratch = cuda_ffi.pack_info_scratch_bytes(math.prod(mask_shape))
   return (tuple(offsets[f] for f in _packinfo.FIELDS), nbytes, scratch_at,
@@ -77,13 +73,12 @@ def gather_rows(src: torch.Tensor, index_address: int, out_shape: tuple,
   out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
   cuda_ffi.launch_gather_rows(
       _current_stream_handle(src.device.index), src.data_ptr(), index_address,
-      math.prod(out_shape[:1]) if out_shape else 1,
-      row_elems * src.element_size(), src.element_size(),
+      out_shape[0], row_elems * src.element_size(), src.element_size(),
       _fill_bits(fill, src.dtype), out.data_ptr())
   return out
 
 
-def move(direction: str, x: torch.Tensor, info: PackInfo, fill) -> torch.Tensor:
+def move(x: torch.Tensor, info: PackInfo, direction: str, fill) -> torch.Tensor:
   """pack (``[*mask_shape, *tail]`` -> ``[capacity, *tail]``) or unpack."""
   if direction == "pack":
     tail = tuple(x.shape[len(info.mask_shape):])

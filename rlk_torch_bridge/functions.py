@@ -138,17 +138,19 @@ def _run_move(x, info: PackInfo, direction, fill, implementation):
 
 
 class _MoveRows(torch.autograd.Function):
+  """A move and, as its VJP, the opposite move with fill 0; `run(x, info,
+  direction, fill)` is the route (the direct CUDA launch or the JAX call)."""
 
   @staticmethod
-  def forward(ctx, x, info, direction, fill, implementation):
-    ctx.info, ctx.direction, ctx.implementation = info, direction, implementation
-    return _run_move(x, info, direction, fill, implementation)
+  def forward(ctx, x, info, direction, fill, run):
+    ctx.info, ctx.direction, ctx.run = info, direction, run
+    return run(x, info, direction, fill)
 
   @staticmethod
   @torch.autograd.function.once_differentiable
   def backward(ctx, g):
-    return (_run_move(g, ctx.info, _OPPOSITE[ctx.direction], 0,
-                      ctx.implementation), None, None, None, None)
+    return (ctx.run(g, ctx.info, _OPPOSITE[ctx.direction], 0),
+            None, None, None, None)
 
 
 def _run_pack_from_mask(x, mask, capacity, fill, implementation):
@@ -174,21 +176,6 @@ class _PackFromMask(torch.autograd.Function):
   def backward(ctx, g):
     return (_run_move(g, ctx.info, "unpack", 0, ctx.implementation),
             None, None, None, None, None)
-
-
-class _DirectMove(torch.autograd.Function):
-  """The cuda_ffi route: the same kernels, launched on torch's stream."""
-
-  @staticmethod
-  def forward(ctx, x, info, direction, fill):
-    ctx.info, ctx.direction = info, direction
-    return _cuda_pack.move(direction, x, info, fill)
-
-  @staticmethod
-  @torch.autograd.function.once_differentiable
-  def backward(ctx, g):
-    return (_cuda_pack.move(_OPPOSITE[ctx.direction], g, ctx.info, 0),
-            None, None, None)
 
 
 def _as_int32_words(op, x, fill_value):
@@ -218,17 +205,16 @@ def _checked_fill(op, x, fill_value):
 def _move_rows(op, x, info, fill_value, impl):
   """Rows of `x` moved with `info`: the direct CUDA launch for cuda_ffi on a
   GPU, else one jitted JAX call through DLPack."""
-  if impl == "cuda_ffi" and x.is_cuda:
-    if _needs_grad(x):
-      return _DirectMove.apply(x, info, op, fill_value)
-    return _cuda_pack.move(op, x, info, fill_value)
-  dtype, words = x.dtype, x.element_size() == 8
+  direct = impl == "cuda_ffi" and x.is_cuda
+  run = (_cuda_pack.move if direct
+         else functools.partial(_run_move, implementation=impl))
+  dtype, words = x.dtype, x.element_size() == 8 and not direct
   if words:
     x = _as_int32_words(op, x, fill_value)
   if _needs_grad(x):
-    out = _MoveRows.apply(x, info, op, fill_value, impl)
+    out = _MoveRows.apply(x, info, op, fill_value, run)
   else:
-    out = _run_move(x, info, op, fill_value, impl)
+    out = run(x, info, op, fill_value)
   return out.view(dtype).squeeze(-1) if words else out
 
 
