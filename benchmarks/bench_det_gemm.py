@@ -23,7 +23,9 @@ from benchmarks.harness import Row
 SWEEP = flags.DEFINE_bool(
     "gemm_sweep", False, "Also time every SM90 instantiation and tile order "
     "(swizzle x raster) on the M=4096 shapes (implementation names "
-    "`sweep <config> swizzle=S raster=R`).")
+    "`sweep <config> swizzle=S raster=R`), and the pallas tile configs of "
+    "PALLAS_SWEEP on every shape (`sweep pallas <config>`, the note says "
+    "whether its bits equal the default config's).")
 
 BENCH = "det_gemm"
 # Decode products take microseconds: a jitted call runs this many, each with
@@ -107,6 +109,53 @@ def run(smoke: bool) -> list[Row]:
             [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
     if SWEEP.value and "cuda_ffi" in _rlk_impls() and is_big:
       rows += _sweep(case, pairs, flops, peer)
+    if SWEEP.value and harness.on_gpu():
+      rows += _pallas_sweep(case, pairs, flops, peer, is_big)
+  return rows
+
+
+def _pallas_config(bm, bn, warps, stages, group):
+  from pallas_kernels import det_matmul
+  return det_matmul.MatmulConfig(block_m=bm, block_n=bn, block_k=64,
+                                 num_warps=warps, num_stages=stages,
+                                 group_m=group)
+
+
+# (block_m, block_n, num_warps, num_stages, group_m): candidates for the
+# size-based choice; BK stays 64 (it fixes the K order).
+PALLAS_SWEEP_BIG = [(128, 128, 8, 3, 1), (128, 128, 8, 3, 8),
+                    (128, 128, 8, 4, 8), (128, 256, 8, 3, 8),
+                    (256, 128, 8, 3, 8), (128, 128, 4, 4, 8),
+                    (128, 256, 8, 4, 16)]
+PALLAS_SWEEP_DECODE = [(64, 32, 4, 4, 1), (64, 64, 4, 4, 1), (64, 128, 4, 4, 1),
+                       (64, 32, 4, 6, 1), (64, 32, 2, 4, 1), (32, 32, 4, 4, 1),
+                       (16, 64, 4, 4, 1), (16, 32, 2, 4, 1), (64, 16, 4, 6, 1)]
+
+
+def _pallas_sweep(case, pairs, flops, peer, is_big) -> list[Row]:
+  """Pallas tile configs on one problem, each checked bit for bit against
+  the default config (the data behind det_matmul.choose_config)."""
+  from pallas_kernels import det_matmul
+  rows = []
+  a, b = pairs[0]
+  want = jax.lax.bitcast_convert_type(
+      det_matmul.matmul(a, b, config=det_matmul.DEFAULT_CONFIG), jnp.uint16)
+  for cand in PALLAS_SWEEP_BIG if is_big else PALLAS_SWEEP_DECODE:
+    cfg = _pallas_config(*cand)
+    fn = functools.partial(det_matmul.matmul, config=cfg)
+    try:
+      got = jax.lax.bitcast_convert_type(fn(a, b), jnp.uint16)
+      same = bool(jnp.array_equal(got, want))
+      row = harness.timed_row(BENCH, case, "sweep pallas %dx%d w%d s%d g%d"
+                              % cand, fn, pairs, flops=flops)
+    except Exception as e:  # a config Triton cannot compile: record why
+      rows.append(Row(BENCH, case, "sweep pallas %dx%d w%d s%d g%d" % cand,
+                      note=f"failed: {type(e).__name__}: {str(e)[:120]}"))
+      continue
+    row.note = ("bits = default" if same else "BITS DIFFER from default")
+    if peer and row.tflops:
+      row.note += f"; {row.tflops / peer:.2f}x cublas"
+    rows.append(harness.progress(row))
   return rows
 
 

@@ -10,7 +10,11 @@ Why a row of C never depends on the other rows: one program owns one
 atomics), in the same ``BK`` steps, in the same order, with the same block
 shapes whatever the problem size; rows and columns past the edge are loaded
 as zeros, so a row's dot products see exactly the operands they would see in
-any other batch. The tile shape is one fixed constant, not a per-size choice.
+any other batch. The tile shape may vary with the problem size (`choose_config`)
+only among configs a device test proves bit-identical to each other: they
+share BK and the K order, and every wgmma-based product that walks K in
+order into one f32 accumulator rounds alike. The order in which programs
+visit tiles (`group_m`) is free: it moves no bit, only L2 reuse.
 K past the edge is zero-padded too: the accumulator starts at +0.0 and adding
 +0.0 products leaves every finite sum's bits unchanged.
 
@@ -29,7 +33,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
-__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "matmul", "tile_product"]
+__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "CONFIGS", "choose_config",
+           "matmul", "tile_product"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +44,41 @@ class MatmulConfig:
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 3
+  # Programs walk `group_m` row tiles down each column of tiles before
+  # moving right, so a wave of programs shares A and B tiles in L2.
+  group_m: int = 8
 
 
-# One config for every problem size: choosing tiles by size is only allowed
-# where a device test proves every choice gives the same bits.
+# BK is shared by every config: it fixes the K order, hence the bits.
 DEFAULT_CONFIG = MatmulConfig()
+# What choose_config may pick for 2-byte operands on a GPU, from the H100
+# sweep (benchmarks/results/h100-2026-11-22-experiments/): 128x256 tiles
+# run the M=4096 projections at 0.83-0.90x cuBLAS (128x128: 0.67-0.78x);
+# decode rows want many narrow tiles to spread the weight's bytes over
+# the SMs (M=16, N=4096: 17 us with 64x32 against 38 us with 128x128).
+# tests/test_det_gemm_gpu.py proves them bit-identical to each other.
+WIDE_CONFIG = MatmulConfig(block_m=128, block_n=256, num_warps=8, num_stages=3)
+DECODE_NARROW_CONFIG = MatmulConfig(block_m=64, block_n=32, num_warps=4,
+                                    num_stages=6, group_m=1)
+DECODE_WIDE_CONFIG = MatmulConfig(block_m=64, block_n=128, num_warps=4,
+                                  num_stages=4, group_m=1)
+CONFIGS = (DEFAULT_CONFIG, WIDE_CONFIG, DECODE_NARROW_CONFIG, DECODE_WIDE_CONFIG)
+_SMS = 132  # H100 SXM; only the speed of the choice depends on it
+
+
+def choose_config(m: int, n: int, dtype) -> MatmulConfig:
+  """The tile config for an ``[m, n]`` product of `dtype` operands on a GPU.
+
+  Only 2-byte operands get a choice: f32 tiles of 128x256 overflow shared
+  memory, and f32 gets no bit-identity promise across tile shapes.
+  """
+  if jnp.dtype(dtype).itemsize != 2:
+    return DEFAULT_CONFIG
+  if m <= 64:  # decode: one row tile; enough column tiles to fill the SMs
+    return DECODE_NARROW_CONFIG if n <= 64 * _SMS else DECODE_WIDE_CONFIG
+  if pl.cdiv(m, 128) * pl.cdiv(n, 256) >= _SMS:
+    return WIDE_CONFIG
+  return DEFAULT_CONFIG
 
 
 def tile_product(a_ref, b_ref, r0, c0, *, m, n, k, block_m, block_n, block_k,
@@ -88,10 +123,21 @@ def tile_product(a_ref, b_ref, r0, c0, *, m, n, k, block_m, block_n, block_k,
                            jnp.zeros((bm, bn), jnp.float32))
 
 
+def _tile_of_program(pid, tiles_m, tiles_n, group_m):
+  """(row tile, column tile) of program `pid` in grouped order."""
+  per_group = group_m * tiles_n
+  first_m = (pid // per_group) * group_m
+  rows_in_group = jnp.minimum(tiles_m - first_m, group_m)
+  in_group = pid % per_group
+  return first_m + in_group % rows_in_group, in_group // rows_in_group
+
+
 def _kernel(a_ref, b_ref, c_ref, *, m, n, k, transpose_a, transpose_b, cfg):
   bm, bn = cfg.block_m, cfg.block_n
-  r0 = pl.program_id(0) * bm
-  c0 = pl.program_id(1) * bn
+  tile_m, tile_n = _tile_of_program(pl.program_id(0), pl.cdiv(m, bm),
+                                    pl.cdiv(n, bn), cfg.group_m)
+  r0 = tile_m * bm
+  c0 = tile_n * bn
   acc = tile_product(a_ref, b_ref, r0, c0, m=m, n=n, k=k, block_m=bm,
                      block_n=bn, block_k=cfg.block_k, transpose_a=transpose_a,
                      transpose_b=transpose_b)
@@ -103,11 +149,13 @@ def _kernel(a_ref, b_ref, c_ref, *, m, n, k, transpose_a, transpose_b, cfg):
 
 def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
            transpose_b: bool = False, out_dtype=None, interpret: bool = False,
-           config: MatmulConfig = DEFAULT_CONFIG) -> jax.Array:
+           config: MatmulConfig | None = None) -> jax.Array:
   """``op(a) @ op(b)`` with op = transpose where asked; f32 accumulation.
 
   ``a``: ``[M, K]`` (``[K, M]`` if transpose_a), ``b``: ``[K, N]`` (``[N, K]``
-  if transpose_b), same dtype. Returns ``[M, N]`` in `out_dtype`.
+  if transpose_b), same dtype. Returns ``[M, N]`` in `out_dtype`. `config`
+  None: `choose_config` on a GPU; the default config when interpreted
+  (the CPU's dot rounds f32 tiles of other shapes differently).
   """
   if pltriton is None:
     raise RuntimeError(IMPORT_ERROR)
@@ -117,12 +165,14 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
   if m == 0 or n == 0 or k == 0:
     # No launch for an empty grid; an empty sum is +0.0.
     return jnp.zeros((m, n), out_dtype)
+  if config is None:
+    config = DEFAULT_CONFIG if interpret else choose_config(m, n, a.dtype)
   kernel = functools.partial(_kernel, m=m, n=n, k=k, transpose_a=transpose_a,
                              transpose_b=transpose_b, cfg=config)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n)),
+      grid=(pl.cdiv(m, config.block_m) * pl.cdiv(n, config.block_n),),
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),

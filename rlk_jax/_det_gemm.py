@@ -60,8 +60,9 @@ TABLE = _dispatch.register_reference_and_pallas(
     reference_doc="explicit K loop of f32 multiply-adds: the oracle, the CPU "
                   "default",
     pallas=_pallas_matmul,
-    pallas_doc="tiled Pallas kernel, fixed 128x128x64 tile (Triton lowering "
-               "on GPUs, the Pallas interpreter on CPUs)",
+    pallas_doc="tiled Pallas kernel, BK=64 in K order, tiles chosen by size "
+               "among bit-identical configs (Triton lowering on GPUs, the "
+               "Pallas interpreter on CPUs)",
     gpu_first=[_dispatch.Implementation(
         "cuda_ffi", _cuda_ffi_matmul, cuda_ffi.unavailable_reason,
         "CUTLASS SM90 TMA warp-specialized kernels behind an XLA FFI call "

@@ -209,3 +209,19 @@ def test_dispatch():
   assert rlk_jax.selected_implementation("det_gemm", platform="gpu") == (
       "cuda_ffi" if sm90 else "pallas")
   assert rlk_jax.implementations("det_gemm", platform="tpu")["pallas"]
+
+
+def test_pallas_config_choice_stays_among_bit_identical_configs():
+  from pallas_kernels import det_matmul
+  # The K order (BK) fixes the bits: every config the kernel may pick
+  # shares it (their identity on a GPU is proven in test_det_gemm_gpu.py).
+  assert {c.block_k for c in det_matmul.CONFIGS} == {64}
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for m in (1, 3, 64, 65, 128, 1000, 4096, 100000):
+      for n in (1, 257, 4096, 8448, 8449, 14336, 128256):
+        cfg = det_matmul.choose_config(m, n, dtype)
+        assert cfg in det_matmul.CONFIGS, (m, n, dtype, cfg)
+        if dtype == jnp.float32:  # no identity promise across f32 tiles
+          assert cfg == det_matmul.DEFAULT_CONFIG
+  assert det_matmul.choose_config(16, 4096, jnp.bfloat16).block_m == 64
+  assert det_matmul.choose_config(4096, 4096, jnp.bfloat16).block_n == 256

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rlk_jax
+from pallas_kernels import det_matmul
 from conftest import ON_GPU, assert_bitwise_equal, random_array
 
 pytestmark = [pytest.mark.gpu,
@@ -35,6 +36,34 @@ def test_projection_rows_are_batch_invariant(name, rng):
                 precision=jax.lax.Precision.HIGHEST)
   err = float(jnp.linalg.norm(full[:64].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
   assert err < 1e-2, err
+
+
+# (M, K, N, transpose_a, transpose_b): tiny and ragged M, ragged and
+# power-of-two K, ragged N, and the backward's two stored-transposed layouts.
+CONFIG_CASES = [(1, 4096, 4096, False, False), (3, 1000, 257, False, False),
+                (17, 1024, 1000, False, True), (64, 14336, 512, False, False),
+                (100, 4096, 6144, False, True), (1000, 1000, 1000, True, False),
+                (300, 512, 2000, True, False), (4096, 4096, 4096, False, False)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_every_pallas_config_gives_the_same_bits(case, dtype, rng):
+  # choose_config may pick any of CONFIGS by problem size: allowed only
+  # because they all round alike, which this proves on the device.
+  m, k, n, ta, tb = case
+  a = random_array(rng, (k, m) if ta else (m, k), dtype)
+  b = random_array(rng, (n, k) if tb else (k, n), dtype)
+  outs = [jax.jit(functools.partial(
+      det_matmul.matmul, transpose_a=ta, transpose_b=tb, config=cfg))(a, b)
+          for cfg in det_matmul.CONFIGS]
+  for cfg, out in zip(det_matmul.CONFIGS[1:], outs[1:]):
+    assert_bitwise_equal(out, outs[0], f"{cfg} vs {det_matmul.DEFAULT_CONFIG}")
+  chosen = det_matmul.choose_config(m, n, dtype)
+  assert chosen in det_matmul.CONFIGS
+  assert_bitwise_equal(jax.jit(functools.partial(
+      det_matmul.matmul, transpose_a=ta, transpose_b=tb))(a, b), outs[0],
+      f"chosen {chosen}")
 
 
 def test_no_tf32_for_float32(rng):
