@@ -15,9 +15,13 @@ versions they are tested against.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
 import numbers
+import operator
+import struct
 
 import numpy as np
 
@@ -37,42 +41,77 @@ def _to_numpy(x, dtype=None) -> np.ndarray:
   return np.asarray(x, dtype)
 
 
-def _ragged(seqs, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
-  """A list of 1-D sequences -> (concatenated values, lengths int64)."""
+def _ragged(seqs, name: str, kind: str, order=None):
+  """A list of 1-D sequences -> (their values concatenated, their lengths
+  int64), both in `order` (sample indices; default: the list's order).
+
+  Lists of Python numbers take one C-level pass over all values (``struct``
+  for ids: it refuses floats, which NumPy would truncate); arrays and
+  tensors are converted one by one. Any refusal falls back to the one-by-one
+  path, which names the offending sample.
+  """
   if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__len__"):
     raise TypeError(f"rlk_jax.host: {name} must be a list of sequences, got "
                     f"{type(seqs).__name__}.")
+  index = list(range(len(seqs))) if order is None else order.tolist()
+  parts = [seqs[i] for i in index]
+  label = lambda j: f"{name}[{index[j]}]"
+  if all(type(p) in (list, tuple) for p in parts):
+    lengths = np.fromiter(map(len, parts), np.int64, len(parts))
+    try:
+      values = _from_lists(parts, kind, int(lengths.sum()))
+    except (struct.error, TypeError, ValueError):
+      values = None
+    if values is not None:
+      if kind == "ids":
+        _check_ids(values, lengths, label)
+      return values, lengths
+  return _from_arrays(parts, kind, label)
+
+
+def _from_lists(parts, kind, total):
+  if kind != "ids":  # the same conversions np.asarray(x, np.float32) makes
+    return np.fromiter(itertools.chain.from_iterable(parts), np.float32, total)
+  buf = bytearray(8 * total)
+  offset = 0
+  for p in parts:
+    struct.pack_into(f"={len(p)}q", buf, offset, *p)
+    offset += 8 * len(p)
+  return np.frombuffer(buf, np.int64)
+
+
+def _from_arrays(parts, kind, label):
   arrays = []
   # Values (masks, rewards, log-probs) convert straight to float32; ids keep
   # their inferred dtype so that a float "id" is caught, not truncated.
   dtype = None if kind == "ids" else np.float32
-  for i, s in enumerate(seqs):
+  for j, s in enumerate(parts):
     a = _to_numpy(s, dtype)
     if a.ndim != 1:
-      raise ValueError(f"rlk_jax.host: {name}[{i}] must be 1-D, got shape "
+      raise ValueError(f"rlk_jax.host: {label(j)} must be 1-D, got shape "
                        f"{a.shape}.")
     if a.size == 0:  # np.asarray([]) is float64: it must not set the dtype
       a = np.zeros(0, np.int64 if kind == "ids" else np.float32)
+    if kind == "ids" and a.dtype.kind not in "iu":
+      raise TypeError(f"rlk_jax.host: {label(j)} must hold integer token ids, "
+                      f"got dtype {a.dtype}.")
     arrays.append(a)
   lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
   values = np.concatenate(arrays) if arrays else np.zeros(
       0, np.int64 if kind == "ids" else np.float32)
   if kind == "ids":
-    if values.dtype.kind not in "iu":
-      raise TypeError(f"rlk_jax.host: {name} must hold integer token ids, got "
-                      f"dtype {values.dtype}.")
-    values = values.astype(np.int64)
-    _check_ids(values, lengths, name)
+    values = values.astype(np.int64, copy=False)
+    _check_ids(values, lengths, label)
   return values, lengths
 
 
-def _check_ids(values, lengths, name):
+def _check_ids(values, lengths, label):
   bad = (values < 0) | (values > MAX_TOKEN_ID)
   if bad.any():
     flat = int(np.argmax(bad))
-    sample = int(np.searchsorted(np.cumsum(lengths), flat, side="right"))
+    j = int(np.searchsorted(np.cumsum(lengths), flat, side="right"))
     raise ValueError(
-        f"rlk_jax.host: {name}[{sample}] holds token id {int(values[flat])}; "
+        f"rlk_jax.host: {label(j)} holds token id {int(values[flat])}; "
         f"ids must lie in [0, {MAX_TOKEN_ID}] (int32 on the device).")
 
 
@@ -83,15 +122,16 @@ def _check_pad_id(pad_id):
                      f"{MAX_TOKEN_ID}], got {pad_id!r}.")
 
 
-def _check_same_lengths(lengths, expected, name, expected_name):
+def _check_same_lengths(lengths, expected, name, expected_name, order=None):
   if lengths.shape != expected.shape:
     raise ValueError(f"rlk_jax.host: {name} has {len(lengths)} entries but "
                      f"{expected_name} has {len(expected)}.")
   differ = np.flatnonzero(lengths != expected)
   if differ.size:
-    i = int(differ[0])
-    raise ValueError(f"rlk_jax.host: {name}[{i}] has {int(lengths[i])} values "
-                     f"but {expected_name}[{i}] has {int(expected[i])}.")
+    j = int(differ[0])
+    i = j if order is None else int(order[j])
+    raise ValueError(f"rlk_jax.host: {name}[{i}] has {int(lengths[j])} values "
+                     f"but {expected_name}[{i}] has {int(expected[j])}.")
 
 
 def _place(lengths: np.ndarray, first_dest: np.ndarray) -> np.ndarray:
@@ -154,30 +194,25 @@ def collate_rl(prompts, responses, rewards, loss_masks, logprobs=None, *,
                      f"{int(r_len[i])}) > max_len={max_len}; nothing is "
                      "truncated.")
 
-  # Right-aligned: sample i starts at column max_len - total[i]; its
-  # response at max_len - r_len[i]. Flat destinations in the [n, max_len] grid.
-  row_base = np.arange(n) * max_len
-  p_dest = _place(p_len, row_base + max_len - total)
-  r_dest = _place(r_len, row_base + max_len - r_len)
-  sequences = np.full((n, max_len), pad_id, np.int64)
-  sequences.reshape(-1)[p_dest] = p_ids
-  sequences.reshape(-1)[r_dest] = r_ids
+  # Right-aligned: sample i fills columns [max_len - total[i], max_len), its
+  # response [max_len - r_len[i], max_len). Row-major order of those cells is
+  # the order of the concatenated values, so one boolean-mask assignment
+  # places each input (no per-token index arrays).
   cols = np.arange(max_len)
-
-  def right_aligned_mask(lengths):
-    mask = np.empty((n, max_len), np.int64)
-    np.greater_equal(cols, (max_len - lengths)[:, None], out=mask,
-                     casting="unsafe")
-    return mask
-
-  out = dict(sequences=sequences, attention_mask=right_aligned_mask(total),
-             response_mask=right_aligned_mask(r_len))
+  in_sample = cols >= (max_len - total)[:, None]
+  in_response = cols >= (max_len - r_len)[:, None]
+  sequences = np.full((n, max_len), pad_id, np.int64)
+  sequences[in_sample & ~in_response] = p_ids
+  sequences[in_response] = r_ids
+  out = dict(sequences=sequences,
+             attention_mask=in_sample.astype(np.int64),
+             response_mask=in_response.astype(np.int64))
 
   def per_token(values, name):
     vals, lens = _ragged(values, name, "values")
     _check_same_lengths(lens, r_len, name, "responses")
     dense = np.zeros((n, max_len), np.float32)
-    dense.reshape(-1)[r_dest] = vals
+    dense[in_response] = vals
     return dense, vals
 
   out["loss_mask"], _ = per_token(loss_masks, "loss_masks")
@@ -334,48 +369,59 @@ def _greedy(order, lens, costs, n_bins, max_tokens):
 def _karmarkar_karp(lens, costs, n_bins, max_tokens):
   """k-way largest differencing; None if the result breaks the budget.
 
-  Each partial solution is k subset sums (descending) and k subset nodes of
-  a merge tree (leaves are samples, -1 an empty subset), so a merge is a few
-  vector operations and membership is resolved once at the end.
+  A partial solution is its non-empty subsets only, as (sum, node) pairs
+  sorted ascending, where a node is a sample (< n) or an inner node of a
+  merge tree. Merging pairs the largest sums of one with the smallest of the
+  other (zeros standing in for empty subsets), so only the `overlap` pairs
+  where both sides are non-empty make new nodes; the rest pass through.
+  Early merges are of a few subsets each: plain lists beat vector ops here.
   """
-  n = len(lens)
-  left = np.full(n + (n - 1) * n_bins, -1, np.int64)
-  right = left.copy()
-  next_node = n
-  heap = []
-  for i in _decreasing(costs):
-    sums = np.zeros(n_bins)
-    sums[0] = costs[i]
-    nodes = np.full(n_bins, -1, np.int64)
-    nodes[0] = i
-    heapq.heappush(heap, (-costs[i], int(i), sums, nodes))
+  n, k = len(lens), n_bins
+  left, right = [], []  # children of inner node n + i
+  heap = [(-c, i, [(c, i)]) for i, c in enumerate(costs.tolist())]
+  heapq.heapify(heap)
   while len(heap) > 1:
-    _, key, s1, n1 = heapq.heappop(heap)
-    _, _, s2, n2 = heapq.heappop(heap)
-    # The largest sums of one meet the smallest of the other (both sorted
-    # descending, so reversing s2 pairs them).
-    sums, a, b = s1 + s2[::-1], n1, n2[::-1]
-    both = (a >= 0) & (b >= 0)
-    fresh = np.arange(next_node, next_node + int(both.sum()))
-    left[fresh], right[fresh] = a[both], b[both]
-    next_node += len(fresh)
-    nodes = np.where(a < 0, b, a)
-    nodes[both] = fresh
-    order = np.argsort(-sums, kind="stable")
-    sums, nodes = sums[order], nodes[order]
-    heapq.heappush(heap, (-(sums[0] - sums[-1]), key, sums, nodes))
-  nodes, bins = heap[0][3], np.arange(n_bins)
+    _, key, a = heapq.heappop(heap)
+    _, _, b = heapq.heappop(heap)
+    if len(a) < len(b):  # the pairing is symmetric; insert into the longer
+      a, b = b, a
+    overlap = len(a) + len(b) - k
+    fresh = []
+    if overlap > 0:  # a's j-th smallest meets b's (overlap-1-j)-th smallest
+      first = n + len(left)
+      for j in range(overlap):
+        x, y = a[j], b[overlap - 1 - j]
+        left.append(x[1])
+        right.append(y[1])
+        fresh.append((x[0] + y[0], first + j))
+      del a[:overlap]
+      b = b[overlap:]
+    # Most merges add a few subsets to a long partial solution: inserting
+    # them keeps it sorted in O(few log k); otherwise one sort of the runs.
+    if len(b) + len(fresh) <= 8:
+      for entry in itertools.chain(b, fresh):
+        bisect.insort(a, entry, key=_first)
+      merged = a
+    else:
+      merged = a + b + fresh
+      merged.sort(key=_first)  # floats only: CPython's fast compare; stable
+    spread = merged[-1][0] - (merged[0][0] if len(merged) == k else 0.0)
+    heapq.heappush(heap, (-spread, key, merged))
+  left, right = np.asarray(left, np.int64), np.asarray(right, np.int64)
+  nodes = np.asarray([node for _, node in heap[0][2]], np.int64)
+  bins = np.arange(len(nodes))
   bin_of = np.empty(n, np.int64)
-  keep = nodes >= 0
-  nodes, bins = nodes[keep], bins[keep]
   while nodes.size:  # walk the merge tree down to the samples
     leaf = nodes < n
     bin_of[nodes[leaf]] = bins[leaf]
-    inner, inner_bins = nodes[~leaf], bins[~leaf]
+    inner, inner_bins = nodes[~leaf] - n, bins[~leaf]
     nodes = np.concatenate([left[inner], right[inner]])
     bins = np.concatenate([inner_bins, inner_bins])
   tokens = np.bincount(bin_of, weights=lens, minlength=n_bins)
   return bin_of if (tokens <= max_tokens).all() else None
+
+
+_first = operator.itemgetter(0)
 
 
 def _max_cost(bin_of, costs, n_bins):
@@ -418,11 +464,13 @@ def collate_packed(sequences, bins, *, max_tokens: int, pad_id: int,
   ``align > 1`` the gap pads fall inside the previous segment's span, but
   carry segment id -1), ``seq_lens`` int32 ``[n_bins, max_seqs_per_row]``
   and ``n_seqs`` int32 ``[n_bins]``. `max_seqs_per_row` defaults to
-  `max_tokens`.
+  `max_tokens`. Sequences that no bin names are not read.
   """
   _check_pad_id(pad_id)
-  ids, lens = _ragged(sequences, "sequences", "ids")
-  n = len(lens)
+  if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
+    raise TypeError(f"rlk_jax.host: sequences must be a list of sequences, "
+                    f"got {type(sequences).__name__}.")
+  n = len(sequences)
   if n == 0:
     raise ValueError("rlk_jax.host.collate_packed: empty batch.")
   for name, value in (("max_tokens", max_tokens), ("align", align)):
@@ -446,13 +494,15 @@ def collate_packed(sequences, bins, *, max_tokens: int, pad_id: int,
     b = int(np.argmax(counts))
     raise ValueError(f"rlk_jax.host.collate_packed: bin {b} has "
                      f"{int(counts[b])} sequences > max_seqs_per_row={max_seqs}.")
+  # Converted straight into plan order: the row-major order of the packed
+  # grid's tokens.
+  ids, seq_lens = _ragged(sequences, "sequences", "ids", order)
   if loss_masks is not None:
-    mask_vals, mask_lens = _ragged(loss_masks, "loss_masks", "values")
-    _check_same_lengths(mask_lens, lens, "loss_masks", "sequences")
+    mask_vals, mask_lens = _ragged(loss_masks, "loss_masks", "values", order)
+    _check_same_lengths(mask_lens, seq_lens, "loss_masks", "sequences", order)
 
   # Placement of each sequence (in plan order) inside its row.
   row_of_seq = np.repeat(np.arange(n_bins), counts)
-  seq_lens = lens[order]
   slot = -(-seq_lens // align) * align             # aligned footprint
   first_in_row = np.cumsum(counts) - counts
   cum = np.cumsum(slot) - slot
@@ -466,39 +516,46 @@ def collate_packed(sequences, bins, *, max_tokens: int, pad_id: int,
                      f"{int(row_end[b])} tokens (align={align}) > "
                      f"max_tokens={max_tokens}; nothing is truncated.")
 
-  # Every token of every sequence, in plan order: where it comes from (flat
-  # index into the concatenated input) and where it goes (flat index into
-  # the [n_bins, max_tokens] grid).
-  rank = np.arange(len(order)) - first_in_row[row_of_seq]
-  first_source = (np.cumsum(lens) - lens)[order]
-  source = _place(seq_lens, first_source)
-  dest = _place(seq_lens, row_of_seq * max_tokens + start)
-  positions = _place(seq_lens, np.zeros(len(order), np.int64))
-  ends = seq_lens > 0
-  last_dest = (row_of_seq * max_tokens + start + seq_lens - 1)[ends]
-  next_source = np.minimum(source + 1, max(ids.size - 1, 0))
-
+  # The cells that hold tokens: each row up to its end, less the alignment
+  # gaps between sequences (at most align - 1 cells per sequence). Their
+  # row-major order is plan order, so each field is one mask assignment.
   shape = (n_bins, max_tokens)
+  is_token = np.arange(max_tokens) < row_end[:, None]
+  if align > 1:
+    gap = np.zeros_like(seq_lens)
+    gap[:-1] = start[1:] - end[:-1]
+    gap[(first_in_row + counts - 1)[counts > 0]] = 0  # a row's last sequence
+    is_token.reshape(-1)[_place(gap, row_of_seq * max_tokens + end)] = False
+
+  # Per token, in plan order.
+  rank = np.arange(len(order)) - first_in_row[row_of_seq]
+  seq_first = np.cumsum(seq_lens) - seq_lens
+  seq_last = (seq_first + seq_lens - 1)[seq_lens > 0]
+  # The next token of the same sequence; each sequence's last token has
+  # none (a sequence must never learn its neighbour's first token).
+  targets = np.empty_like(ids)
+  targets[:-1] = ids[1:]
+  targets[seq_last] = ignore_index
+  loss = np.ones(ids.size, np.float32)
+  if loss_masks is not None:
+    loss[:-1] = mask_vals[1:]
+  loss[seq_last] = 0.0
+  positions = np.arange(ids.size, dtype=np.int32) - np.repeat(
+      seq_first.astype(np.int32), seq_lens)
+
   out = dict(
-      input_ids=np.full(shape, pad_id, np.int64),
-      targets=np.full(shape, ignore_index, np.int64),
-      loss_mask=np.zeros(shape, np.float32),
-      segment_ids=np.full(shape, -1, np.int32),
-      sample_index=np.full(shape, -1, np.int32),
-      positions=np.zeros(shape, np.int32),
+      input_ids=(np.full(shape, pad_id, np.int64), ids),
+      targets=(np.full(shape, ignore_index, np.int64), targets),
+      loss_mask=(np.zeros(shape, np.float32), loss),
+      segment_ids=(np.full(shape, -1, np.int32),
+                   np.repeat(rank.astype(np.int32), seq_lens)),
+      sample_index=(np.full(shape, -1, np.int32),
+                    np.repeat(order.astype(np.int32), seq_lens)),
+      positions=(np.zeros(shape, np.int32), positions),
   )
-  flat = {k: v.reshape(-1) for k, v in out.items()}
-  flat["input_ids"][dest] = ids[source]
-  # Next token of the same sequence; the last token of each has none (a
-  # sequence must never learn its neighbour's first token).
-  flat["targets"][dest] = ids[next_source]
-  flat["targets"][last_dest] = ignore_index
-  flat["loss_mask"][dest] = (mask_vals[next_source].astype(np.float32)
-                             if loss_masks is not None else 1.0)
-  flat["loss_mask"][last_dest] = 0.0
-  flat["segment_ids"][dest] = np.repeat(rank, seq_lens)
-  flat["sample_index"][dest] = np.repeat(order, seq_lens)
-  flat["positions"][dest] = positions
+  for grid, values in out.values():
+    grid[is_token] = values
+  out = {key: grid for key, (grid, _) in out.items()}
 
   cu = np.zeros((n_bins, max_seqs + 1), np.int32)
   cu[row_of_seq, rank] = start

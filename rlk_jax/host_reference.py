@@ -102,3 +102,22 @@ def greedy_max_cost(seq_lens, costs, n_bins, max_tokens):
     load[b] += c
     tokens[b] += length
   return max(load)
+
+
+def karmarkar_karp_bin_sums(costs, n_bins):
+  """Textbook k-way largest differencing on full k-vectors: the bin sums
+  (ascending) it reaches. Partial solutions are k [sum, members] pairs
+  sorted by sum, largest first; ties pop in the order of their first sample."""
+  import heapq
+  heap = []
+  for i, c in enumerate(costs):
+    subsets = [[float(c), [i]]] + [[0.0, []] for _ in range(n_bins - 1)]
+    heapq.heappush(heap, (-float(c), i, subsets))
+  while len(heap) > 1:
+    _, key, a = heapq.heappop(heap)
+    _, _, b = heapq.heappop(heap)
+    merged = [[a[j][0] + b[n_bins - 1 - j][0], a[j][1] + b[n_bins - 1 - j][1]]
+              for j in range(n_bins)]
+    merged.sort(key=lambda s: -s[0])
+    heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), key, merged))
+  return sorted(s[0] for s in heap[0][2])

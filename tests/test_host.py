@@ -40,11 +40,16 @@ def random_rl_batch(rng, n, max_prompt=30, max_response=30, token_rewards=False)
 
 
 @pytest.mark.parametrize("token_rewards", [False, True])
-@pytest.mark.parametrize("container", ["list", "numpy", "torch"])
+@pytest.mark.parametrize("container", ["list", "tuple", "mixed", "numpy", "torch"])
 def test_collate_rl_matches_loop(token_rewards, container, rng):
   batch = random_rl_batch(rng, int(rng.integers(1, 40)), token_rewards=token_rewards)
   prompts, responses, rewards, loss_masks, logprobs = batch
-  if container != "list":
+  if container == "tuple":  # the fast path for Python sequences
+    prompts, responses = [tuple(p) for p in prompts], [tuple(r) for r in responses]
+  elif container == "mixed":  # every other sample an array: the general path
+    prompts = [np.asarray(p, np.int32) if i % 2 else p for i, p in enumerate(prompts)]
+    loss_masks = [np.asarray(m) if i % 2 else m for i, m in enumerate(loss_masks)]
+  elif container != "list":
     convert = np.asarray
     if container == "torch":
       import torch
@@ -85,8 +90,12 @@ def test_collate_rl_bad_input():
     host.collate_rl([[1], [-5]], [[3], [4]], [0.0, 0.0], [[1], [1]], **ok)
   with pytest.raises(ValueError, match=r"responses\[0\] holds token id 2147483648"):
     host.collate_rl([[1]], [[2**31]], [0.0], [[1]], **ok)
-  with pytest.raises(TypeError, match="integer token ids"):
+  with pytest.raises(TypeError, match=r"prompts\[0\] must hold integer token ids"):
     host.collate_rl([[1.5]], [[2]], [0.0], [[1]], **ok)
+  with pytest.raises(TypeError, match=r"responses\[1\] must hold integer token ids"):
+    host.collate_rl([[1], [2]], [[2], [3, 2**70]], [0.0, 0.0], [[1], [1, 1]], **ok)
+  with pytest.raises(ValueError, match=r"responses\[0\] must be 1-D"):
+    host.collate_rl([[1]], [[[2]]], [0.0], [[1]], **ok)
   with pytest.raises(ValueError, match=r"sample 0 has 3 tokens .* > max_len=2"):
     host.collate_rl([[1, 2]], [[3]], [0.0], [[1]], pad_id=0, max_len=2)
   with pytest.raises(ValueError, match="pad_id"):
@@ -123,6 +132,17 @@ def test_plan_invariants(algorithm, cost, rng):
     plan = host.plan_micro_batches(lens, 8192, n_bins_multiple=multiple,
                                    cost=cost, algorithm=algorithm)
     check_plan(plan, lens, 8192, multiple, cost)
+
+
+@pytest.mark.parametrize("n,n_bins", [(1, 3), (7, 3), (60, 8), (300, 16)])
+def test_karmarkar_karp_matches_the_textbook_loop(n, n_bins, rng):
+  costs = rng.random(n) * 1000
+  lens = np.ones(n, np.int64)
+  bin_of = host._karmarkar_karp(lens, costs, n_bins, n)
+  assert bin_of.shape == (n,) and ((bin_of >= 0) & (bin_of < n_bins)).all()
+  sums = np.sort(np.bincount(bin_of, weights=costs, minlength=n_bins))
+  np.testing.assert_allclose(
+      sums, host_reference.karmarkar_karp_bin_sums(costs, n_bins), rtol=1e-12)
 
 
 def test_plan_is_balanced(rng):
@@ -183,6 +203,17 @@ def test_targets_never_cross_a_boundary():
   assert out["positions"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
   assert out["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 2, -1, -1]]
   assert out["cu_seqlens"].tolist() == [[0, 3, 5, 6, 6]]
+
+
+def test_collate_packed_reads_only_the_binned_sequences():
+  # Sample 1 is in no bin: it is neither read nor checked.
+  out = host.collate_packed([[1, 2], [-7], [3]], [[2, 0]], max_tokens=4, pad_id=0,
+                            max_seqs_per_row=2)
+  assert out["input_ids"].tolist() == [[3, 1, 2, 0]]
+  assert out["sample_index"].tolist() == [[2, 0, 0, -1]]
+  with pytest.raises(ValueError, match=r"sequences\[1\] holds token id -7"):
+    host.collate_packed([[1, 2], [-7], [3]], [[2], [1, 0]], max_tokens=4,
+                        pad_id=0)
 
 
 def test_collate_packed_bad_input():
