@@ -28,6 +28,7 @@ from cuda_ffi import build as _build
 FFI_TARGET = "rlk_det_gemm_sm90"
 PACK_INFO_TARGET = "rlk_pack_info"
 GATHER_ROWS_TARGET = "rlk_gather_rows"
+PACK_ROWS_TARGET = "rlk_pack_rows"
 # Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
 # shape. Every config gives the same bits (device-tested).
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
@@ -73,7 +74,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
       import jax
       for target, symbol in ((FFI_TARGET, lib.RlkDetGemmSm90),
                              (PACK_INFO_TARGET, lib.RlkPackInfo),
-                             (GATHER_ROWS_TARGET, lib.RlkGatherRows)):
+                             (GATHER_ROWS_TARGET, lib.RlkGatherRows),
+                             (PACK_ROWS_TARGET, lib.RlkPackRows)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                     platform="CUDA")
     except (_build.BuildUnavailable, OSError, RuntimeError) as e:
@@ -204,22 +206,48 @@ def launch(a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, *,
 # pack
 
 
+def _info_shapes(mask_shape, capacity):
+  import jax
+  import jax.numpy as jnp
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  n_seq = mask_shape[0]
+  return (i32(n_seq + 1), i32(n_seq), i32(), i32(), i32(), i32(capacity),
+          i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.bool_),
+          i32(capacity), i32(*mask_shape))
+
+
+def _mask_attrs(active, capacity):
+  n_seq, size = active.shape[0], active.size
+  return dict(n_seq=np.int64(n_seq),
+              width=np.int64(size // n_seq if n_seq else 0),
+              capacity=np.int64(capacity))
+
+
 def pack_info(active, *, capacity: int):
   """The PackInfo fields of a bool mask ``active`` (``[n_seq, ...]``), in
   rlk_jax.PackInfo's order: cu_seqlens, seq_lens, total, max_seqlen,
   num_dropped, segment_ids, positions, valid, gather_map, scatter_map."""
   import jax
-  import jax.numpy as jnp
   library()
-  n_seq, size = active.shape[0], active.size
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  shapes = (i32(n_seq + 1), i32(n_seq), i32(), i32(), i32(), i32(capacity),
-            i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.bool_),
-            i32(capacity), i32(*active.shape))
-  call = jax.ffi.ffi_call(PACK_INFO_TARGET, shapes, vmap_method="sequential")
-  return call(active.reshape(-1), n_seq=np.int64(n_seq),
-              width=np.int64(size // n_seq if n_seq else 0),
-              capacity=np.int64(capacity))
+  call = jax.ffi.ffi_call(PACK_INFO_TARGET,
+                          _info_shapes(active.shape, capacity),
+                          vmap_method="sequential")
+  return call(active.reshape(-1), **_mask_attrs(active, capacity))
+
+
+def pack_rows(src, active, *, capacity: int, fill):
+  """Packs the rows of ``src`` (``[active.size, D]``) where the bool mask
+  ``active`` is set: ``(packed [capacity, D], *pack_info fields)``. Small
+  masks take one kernel for the rows and every field."""
+  import jax
+  library()
+  call = jax.ffi.ffi_call(
+      PACK_ROWS_TARGET,
+      (jax.ShapeDtypeStruct((capacity, src.shape[1]), src.dtype),
+       *_info_shapes(active.shape, capacity)),
+      vmap_method="sequential")
+  return call(src, active.reshape(-1), **_mask_attrs(active, capacity),
+              fill_bits=_fill_attr(fill, src.dtype))
 
 
 def fill_bits(fill, dtype) -> int:
@@ -235,9 +263,12 @@ def gather_rows(src, idx, fill):
       GATHER_ROWS_TARGET,
       jax.ShapeDtypeStruct((idx.shape[0], src.shape[1]), src.dtype),
       vmap_method="sequential")
-  # (the same 64 bits as the C entry's uint64, as the int64 FFI attribute)
-  bits = np.array(fill_bits(fill, src.dtype), np.uint64).view(np.int64)
-  return call(src, idx, fill_bits=bits[()])
+  return call(src, idx, fill_bits=_fill_attr(fill, src.dtype))
+
+
+def _fill_attr(fill, dtype):
+  # The same 64 bits as the C entry's uint64, as the int64 FFI attribute.
+  return np.array(fill_bits(fill, dtype), np.uint64).view(np.int64)[()]
 
 
 def launch_pack_info(stream: int, active_ptr: int, n_seq: int, width: int,

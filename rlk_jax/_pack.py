@@ -94,6 +94,15 @@ def pack_info(mask, *, capacity: int | None = None,
   (the same integers; what ``pack(x, mask, implementation="cuda_ffi")``
   uses); any other value, or None, the XLA ops.
   """
+  mask, capacity = _checked_mask(mask, capacity)
+  if implementation == "cuda_ffi":
+    return _cuda_pack_info(mask, capacity)
+  return _pack_info(mask, capacity)
+
+
+def _checked_mask(mask, capacity) -> tuple[jax.Array, int]:
+  """The mask as an array and the static capacity, both checked; a concrete
+  mask that does not fit raises here."""
   if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
     mask = np.asarray(mask)
   _validate.check_mask_dtype("pack", mask.dtype)
@@ -109,9 +118,7 @@ def pack_info(mask, *, capacity: int | None = None,
   if capacity < size and _validate.is_concrete(mask):
     check_fits("rlk_jax.pack", mask_shape,
                int(np.count_nonzero(np.asarray(mask))), capacity)
-  if implementation == "cuda_ffi":
-    return _cuda_pack_info(jnp.asarray(mask), capacity)
-  return _pack_info(jnp.asarray(mask), capacity)
+  return jnp.asarray(mask), capacity
 
 
 def check_fits(op: str, mask_shape: tuple, active: int, capacity: int) -> None:
@@ -169,10 +176,48 @@ def _pack_info(mask: jax.Array, capacity: int) -> PackInfo:
       mask_shape=tuple(mask_shape), capacity=capacity)
 
 
+def _as_bool(mask):
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _cuda_pack_info(mask: jax.Array, capacity: int) -> PackInfo:
-  fields = cuda_ffi.pack_info(mask != 0, capacity=capacity)
+  fields = cuda_ffi.pack_info(_as_bool(mask), capacity=capacity)
   return PackInfo(*fields, mask_shape=tuple(mask.shape), capacity=capacity)
+
+
+def _cuda_pack_rows(fill, capacity, src, mask) -> tuple[jax.Array, PackInfo]:
+  """pack from a mask as one CUDA call: small masks take one kernel for the
+  rows and every field (the metadata costs no launches of its own)."""
+  if jnp.issubdtype(src.dtype, jnp.inexact):
+    packed, fields = _cuda_pack_rows_vjp(fill, capacity, src, _as_bool(mask))
+  else:  # no gradient for integer data
+    packed, fields = _cuda_pack_rows_call(fill, capacity, src, _as_bool(mask))
+  return packed, PackInfo(*fields, mask_shape=tuple(mask.shape),
+                          capacity=capacity)
+
+
+def _cuda_pack_rows_call(fill, capacity, src, active):
+  packed, *fields = cuda_ffi.pack_rows(src, active, capacity=capacity, fill=fill)
+  return packed, tuple(fields)
+
+
+_cuda_pack_rows_vjp = jax.custom_vjp(_cuda_pack_rows_call, nondiff_argnums=(0, 1))
+
+
+def _cuda_pack_rows_fwd(fill, capacity, src, active):
+  packed, fields = _cuda_pack_rows_call(fill, capacity, src, active)
+  return (packed, fields), (fields[-2], fields[-1])  # gather and scatter maps
+
+
+def _cuda_pack_rows_bwd(fill, capacity, maps, cotangents):
+  gather_map, scatter_map = maps
+  # As pack's: the packed rows' gradient scattered back, zeros elsewhere.
+  return (_move_rows("cuda_ffi", 0, cotangents[0], scatter_map.reshape(-1),
+                     gather_map), None)
+
+
+_cuda_pack_rows_vjp.defvjp(_cuda_pack_rows_fwd, _cuda_pack_rows_bwd)
 
 
 def check_no_overflow(info: PackInfo) -> None:
@@ -206,8 +251,9 @@ TABLE = _dispatch.register_reference_and_pallas(
                "interpreter on CPUs)",
     gpu_first=[_dispatch.Implementation(
         "cuda_ffi", cuda_ffi.gather_rows, cuda_ffi.unavailable_reason,
-        "CUDA kernels through XLA FFI (SM90 library): the metadata in four "
-        "small kernels and the row gather; the torch bridge launches the "
+        "CUDA kernels through XLA FFI (SM90 library): pack from a mask of up "
+        "to 65536 positions in one kernel (rows and metadata), else the "
+        "metadata kernels and the row gather; the torch bridge launches the "
         "same kernels without a JAX call")],
 )
 
@@ -264,18 +310,25 @@ def pack(x, mask_or_info, *, capacity: int | None = None, fill_value=0,
   """
   impl = TABLE.select(implementation).name
   if isinstance(mask_or_info, PackInfo):
-    info = mask_or_info
+    info, mask = mask_or_info, None
     check_reused_capacity("rlk_jax.pack", capacity, info.capacity)
+    mask_shape = info.mask_shape
   else:
-    info = pack_info(mask_or_info, capacity=capacity, implementation=impl)
+    mask, capacity = _checked_mask(mask_or_info, capacity)
+    mask_shape = tuple(mask.shape)
   x = _as_array(x)
   dtype = _validate.check_packable_dtype("pack", "x", x.dtype)
-  _check_prefix("pack", x.shape, info.mask_shape)
+  _check_prefix("pack", x.shape, mask_shape)
   fill = _validate.static_fill("pack", "fill_value", fill_value, dtype)
-  tail = x.shape[len(info.mask_shape):]
-  src = x.reshape(math.prod(info.mask_shape), math.prod(tail))
-  packed = _move_rows(impl, fill, src, info.gather_map,
-                      info.scatter_map.reshape(-1))
+  tail = x.shape[len(mask_shape):]
+  src = x.reshape(math.prod(mask_shape), math.prod(tail))
+  if mask is not None and impl == "cuda_ffi":
+    packed, info = _cuda_pack_rows(fill, capacity, src, mask)
+  else:
+    if mask is not None:
+      info = _pack_info(mask, capacity)
+    packed = _move_rows(impl, fill, src, info.gather_map,
+                        info.scatter_map.reshape(-1))
   if checked:
     check_no_overflow(info)
   return packed.reshape((info.capacity, *tail)), info

@@ -152,3 +152,47 @@ def test_cuda_row_gather_every_row_width(tail, dtype, rng):
   assert_bitwise_equal(packed, numpy_pack(x, mask, int(mask.sum()) + 9, fill))
   dense = rlk_jax.unpack(packed, info, fill_value=3, implementation="cuda_ffi")
   assert_bitwise_equal(dense, numpy_unpack(packed, mask, int(mask.sum()) + 9, 3))
+
+
+INFO_FIELDS = ("cu_seqlens", "seq_lens", "total", "max_seqlen", "num_dropped",
+               "segment_ids", "positions", "valid", "gather_map", "scatter_map")
+
+
+@needs_cuda_ffi
+@pytest.mark.parametrize("tail,dtype", [((8,), jnp.bfloat16), ((3,), jnp.bfloat16),
+                                        ((4,), jnp.float32), ((16,), jnp.int8)])
+def test_cuda_pack_from_mask_equals_xla_rows_and_fields(tail, dtype, rng):
+  # 16-byte rows of masks up to 65536 positions and 4096 sequences take the
+  # one-kernel path; the rest (6-byte rows, longer masks, more sequences)
+  # the metadata kernels and the gather: both must equal XLA's.
+  cases = _mask_cases(rng) + [
+      (random_mask(rng, (16, 4096), 0.3), 5000),   # 65536: the largest fused
+      (random_mask(rng, (1, 65537), 0.3), None),   # one past it
+      (random_mask(rng, (5000, 3), 0.6), None),    # too many sequences
+      (random_mask(rng, (4096, 2), 0.6), 3000),    # just enough
+      (random_mask(rng, (32, 1024), 0.3), 9856),
+      (random_mask(rng, (7, 301), 0.4), 100),      # rows dropped
+  ]
+  for mask, capacity in cases:
+    x = random_array(rng, (*mask.shape, *tail), dtype)
+    where = f"a {mask.shape} {mask.dtype} mask, capacity {capacity}, {tail} {dtype}"
+    pack = jax.jit(lambda x, m, i: rlk_jax.pack(
+        x, m, capacity=capacity, fill_value=-3, implementation=i),
+        static_argnums=2)
+    got, got_info = pack(x, jnp.asarray(mask), "cuda_ffi")
+    want, want_info = pack(x, jnp.asarray(mask), "xla")
+    assert_bitwise_equal(got, want, f"packed rows of {where}")
+    for field in INFO_FIELDS:
+      assert_bitwise_equal(getattr(got_info, field), getattr(want_info, field),
+                           f"{field} of {where}")
+
+
+@needs_cuda_ffi
+def test_cuda_pack_from_mask_gradient(rng):
+  mask = random_mask(rng, (32, 1024), 0.3)
+  capacity = int(mask.sum()) + 50
+  x = random_array(rng, (32, 1024, 64), jnp.float32)
+  w = random_array(rng, (capacity, 64), jnp.float32)
+  g = jax.jit(jax.grad(lambda x: jnp.sum(rlk_jax.pack(
+      x, mask, capacity=capacity, implementation="cuda_ffi")[0] * w)))(x)
+  assert_bitwise_equal(g, numpy_unpack(w, mask, capacity, 0))

@@ -41,4 +41,14 @@ cudaError_t GatherRows(cudaStream_t stream, const void* src,
                        const int32_t* idx, int64_t out_rows, int64_t row_bytes,
                        int64_t elem_bytes, uint64_t fill_bits, void* dst);
 
+// pack from a mask: dst [capacity rows] and every PackInfo field. Masks of
+// up to 65536 positions and 4096 sequences with 16-byte rows take one
+// kernel; others the PackInfoFromMask kernels and GatherRows (`scratch`:
+// PackInfoScratchBytes(n_seq * width) bytes).
+cudaError_t PackRows(cudaStream_t stream, const void* src,
+                     const uint8_t* active, int64_t n_seq, int64_t width,
+                     int64_t capacity, int64_t row_bytes, int64_t elem_bytes,
+                     uint64_t fill_bits, void* scratch, const PackInfoOut& out,
+                     void* dst);
+
 }  // namespace rlk

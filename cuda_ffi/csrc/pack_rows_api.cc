@@ -22,6 +22,18 @@ const char* ErrorOf(cudaError_t status) {
   return pack_error.c_str();
 }
 
+using Field = ffi::Result<ffi::AnyBuffer>;
+
+PackInfoOut InfoOut(Field& cu, Field& seq_lens, Field& total, Field& max_seqlen,
+                    Field& num_dropped, Field& segment_ids, Field& positions,
+                    Field& valid, Field& gather_map, Field& scatter_map) {
+  auto i32 = [](Field& b) { return static_cast<int32_t*>(b->untyped_data()); };
+  return PackInfoOut{i32(cu), i32(seq_lens), i32(total), i32(max_seqlen),
+                     i32(num_dropped), i32(segment_ids), i32(positions),
+                     static_cast<uint8_t*>(valid->untyped_data()),
+                     i32(gather_map), i32(scatter_map)};
+}
+
 ffi::Error PackInfoFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer active, ffi::Result<ffi::AnyBuffer> cu,
                        ffi::Result<ffi::AnyBuffer> seq_lens,
@@ -45,16 +57,47 @@ ffi::Error PackInfoFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "rlk cuda_ffi pack_info: no scratch memory");
   }
-  auto i32 = [](ffi::Result<ffi::AnyBuffer>& b) {
-    return static_cast<int32_t*>(b->untyped_data());
-  };
-  PackInfoOut out{i32(cu), i32(seq_lens), i32(total), i32(max_seqlen),
-                  i32(num_dropped), i32(segment_ids), i32(positions),
-                  static_cast<uint8_t*>(valid->untyped_data()), i32(gather_map),
-                  i32(scatter_map)};
+  const PackInfoOut out = InfoOut(cu, seq_lens, total, max_seqlen, num_dropped,
+                                  segment_ids, positions, valid, gather_map,
+                                  scatter_map);
   const char* error = ErrorOf(PackInfoFromMask(
       stream, static_cast<const uint8_t*>(active.untyped_data()), n_seq, width,
       capacity, *bytes, out));
+  return error ? ffi::Error::Internal(error) : ffi::Error::Success();
+}
+
+ffi::Error PackRowsFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                       ffi::AnyBuffer src, ffi::AnyBuffer active,
+                       ffi::Result<ffi::AnyBuffer> dst, Field cu,
+                       Field seq_lens, Field total, Field max_seqlen,
+                       Field num_dropped, Field segment_ids, Field positions,
+                       Field valid, Field gather_map, Field scatter_map,
+                       int64_t n_seq, int64_t width, int64_t capacity,
+                       int64_t fill_bits) {
+  auto ds = src.dimensions(), dd = dst->dimensions();
+  if (active.element_type() != ffi::PRED ||
+      static_cast<int64_t>(active.element_count()) != n_seq * width ||
+      ds.size() != 2 || dd.size() != 2 || ds[0] != n_seq * width ||
+      ds[1] != dd[1] || dd[0] != capacity ||
+      src.element_type() != dst->element_type()) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi pack_rows: src [n_seq * width, D], a bool mask of "
+        "n_seq * width elements and dst [capacity, D] of src's dtype expected");
+  }
+  auto bytes = scratch.Allocate(PackInfoScratchBytes(n_seq * width), 16);
+  if (!bytes.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "rlk cuda_ffi pack_rows: no scratch memory");
+  }
+  const int64_t elem_bytes = ffi::ByteWidth(src.element_type());
+  const char* error = ErrorOf(PackRows(
+      stream, src.untyped_data(),
+      static_cast<const uint8_t*>(active.untyped_data()), n_seq, width,
+      capacity, ds[1] * elem_bytes, elem_bytes, static_cast<uint64_t>(fill_bits),
+      *bytes,
+      InfoOut(cu, seq_lens, total, max_seqlen, num_dropped, segment_ids,
+              positions, valid, gather_map, scatter_map),
+      dst->untyped_data()));
   return error ? ffi::Error::Internal(error) : ffi::Error::Success();
 }
 
@@ -97,6 +140,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackInfo, rlk::PackInfoFfi,
                                   .Attr<int64_t>("n_seq")
                                   .Attr<int64_t>("width")
                                   .Attr<int64_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackRows, rlk::PackRowsFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("n_seq")
+                                  .Attr<int64_t>("width")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("fill_bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
                               ffi::Ffi::Bind()

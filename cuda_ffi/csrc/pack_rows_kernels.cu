@@ -15,6 +15,9 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = 16;
 constexpr int64_t kTile = kThreads * kPerThread;
 constexpr int kScanThreads = 1024;
+// CopyRows indexes a block's units in int: rows of at most this many units
+// take the per-block kernels (wider ones the flat kernel).
+constexpr int64_t kMaxUnitsPerRow = 1 << 20;
 
 int64_t NumTiles(int64_t size) { return (size + kTile - 1) / kTile; }
 
@@ -186,21 +189,51 @@ __global__ void FinishFields(int64_t n_seq, int64_t capacity, PackInfoOut out) {
   }
 }
 
-template <typename Unit>
-__global__ void GatherRowsPerBlock(const Unit* src, const int32_t* idx,
-                                   int64_t units_per_row, Unit fill,
-                                   Unit* dst) {
-  // One block per output row: wide rows (hidden states).
-  const int64_t r = blockIdx.x;
-  const int32_t s = idx[r];
-  Unit* out = dst + r * units_per_row;
-  if (s < 0) {
-    for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) out[u] = fill;
-    return;
+// Copies rows [row_begin, row_begin + n_rows) of dst, `units_per_row` units
+// each, from the rows `source(r)` of src (a row of `fill` where it is < 0).
+// The block's (row, unit) pairs are flattened over its threads and each
+// thread issues kUnroll loads before its stores, so enough bytes are in
+// flight to run at copy bandwidth whatever the row width.
+constexpr int kUnroll = 4;
+
+template <typename Unit, typename Source>
+__device__ void CopyRows(const Unit* __restrict__ src, Unit* __restrict__ dst,
+                         int64_t units_per_row, int64_t row_begin, int n_rows,
+                         Unit fill, Source source) {
+  const int upr = static_cast<int>(units_per_row);
+  const int n = n_rows * upr;
+  const int step = blockDim.x * kUnroll;
+  for (int base = threadIdx.x; base < n; base += step) {
+    Unit v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int i = base + k * blockDim.x;
+      if (i < n) {
+        const int row = i / upr;
+        const int64_t s = source(row_begin + row);
+        v[k] = s < 0 ? fill : src[s * units_per_row + (i - row * upr)];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int i = base + k * blockDim.x;
+      if (i < n) dst[row_begin * units_per_row + i] = v[k];
+    }
   }
-  const Unit* in = src + static_cast<int64_t>(s) * units_per_row;
-#pragma unroll 4
-  for (int64_t u = threadIdx.x; u < units_per_row; u += blockDim.x) out[u] = in[u];
+}
+
+template <typename Unit>
+__global__ void GatherRowsPerBlock(const Unit* __restrict__ src,
+                                   const int32_t* __restrict__ idx,
+                                   int64_t out_rows, int64_t units_per_row,
+                                   int rows_per_block, Unit fill,
+                                   Unit* __restrict__ dst) {
+  // Wide rows (hidden states): a few whole rows per block.
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int n_rows = static_cast<int>(
+      min(static_cast<int64_t>(rows_per_block), out_rows - first));
+  CopyRows(src, dst, units_per_row, first, n_rows, fill,
+           [idx](int64_t r) { return static_cast<int64_t>(idx[r]); });
 }
 
 template <typename Unit>
@@ -217,6 +250,145 @@ __global__ void GatherRowsFlat(const Unit* src, const int32_t* idx,
   }
 }
 
+// ---------------------------------------------------------------------------
+// pack from a small mask in one launch. Every block scans the whole mask
+// itself (at most kFusedMaxMask bytes, L2-resident after the first block
+// reads it), so no block waits for another and one kernel writes the packed
+// rows and every PackInfo field: the metadata costs no launches of its own.
+// Each field is still written by exactly one thread of one block.
+
+constexpr int kFusedThreads = 1024;
+constexpr int64_t kFusedMaxMask = 64 * kFusedThreads;  // 64 positions a thread
+constexpr int64_t kFusedMaxSeq = 4096;                 // cu_seqlens in smem
+constexpr int kFusedMaxRowsPerBlock = 1024;
+
+struct FusedGeometry {
+  int64_t rows_per_block;
+  int per_thread;  // positions a thread scans: a multiple of 16, at most 64
+};
+
+// Bits of `count` consecutive mask bytes from `first` (16-byte aligned).
+__device__ uint64_t LoadMaskBits(const uint8_t* __restrict__ active,
+                                 int64_t size, int64_t first, int count) {
+  uint64_t bits = 0;
+  for (int c = 0; c < count; c += 16) {
+    const int64_t p = first + c;
+    if (p + 16 <= size) {
+      const uint4 v = *reinterpret_cast<const uint4*>(active + p);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if ((words[w] >> (8 * k)) & 0xffu) bits |= 1ull << (c + 4 * w + k);
+        }
+      }
+    } else {
+      for (int k = 0; k < 16 && p + k < size; ++k) {
+        if (active[p + k]) bits |= 1ull << (c + k);
+      }
+    }
+  }
+  return bits;
+}
+
+template <typename Unit>
+__global__ void __launch_bounds__(kFusedThreads)
+PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
+              int64_t n_seq, int64_t width, int64_t capacity,
+              int64_t units_per_row, FusedGeometry geo, Unit fill,
+              PackInfoOut out, Unit* __restrict__ dst) {
+  __shared__ int32_t cu[kFusedMaxSeq + 1];
+  __shared__ int32_t source_of[kFusedMaxRowsPerBlock];
+  __shared__ int32_t longest;
+  const int64_t size = n_seq * width;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * geo.per_thread;
+  const uint64_t bits = first < size
+      ? LoadMaskBits(active, size, first, geo.per_thread) : 0;
+  int total;
+  int running = BlockExclusiveScan(__popcll(bits), &total);
+  const int64_t kept = min(static_cast<int64_t>(total), capacity);
+  const int64_t r0 = blockIdx.x * geo.rows_per_block;
+  const int64_t r1 = min(r0 + geo.rows_per_block, capacity);
+  // This thread's positions: sequence starts (cu_seqlens), the sources of
+  // this block's rows, and (for one block per thread index) the scatter map.
+  const bool scatter = threadIdx.x % gridDim.x == blockIdx.x;
+  int64_t seq = first / max(width, static_cast<int64_t>(1));
+  int64_t next_start = seq * width == first ? first : (++seq) * width;
+  for (int j = 0; j < geo.per_thread; ++j) {
+    const int64_t p = first + j;
+    if (p >= size) break;
+    if (p == next_start) {
+      cu[seq] = running;
+      ++seq;
+      next_start += width;
+    }
+    const bool on = (bits >> j) & 1u;
+    const bool in_capacity = on && running < capacity;
+    if (in_capacity && running >= r0 && running < r1) {
+      source_of[running - r0] = static_cast<int32_t>(p);
+    }
+    if (scatter) out.scatter_map[p] = in_capacity ? running : -1;
+    running += on;
+  }
+  if (threadIdx.x == 0) {
+    cu[n_seq] = total;
+    longest = 0;
+  }
+  __syncthreads();
+
+  if (blockIdx.x == 0) {  // the per-sequence fields and the scalars
+    for (int64_t s = threadIdx.x; s <= n_seq; s += blockDim.x) {
+      out.cu_seqlens[s] = cu[s];
+      if (s < n_seq) {
+        const int32_t len = cu[s + 1] - cu[s];
+        out.seq_lens[s] = len;
+        atomicMax(&longest, len);  // a max: the same whatever the order
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *out.total = total;
+      *out.num_dropped = total > capacity ? static_cast<int32_t>(total - capacity) : 0;
+      *out.max_seqlen = longest;
+    }
+  }
+  for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+    if (r < kept) {
+      const int32_t p = source_of[r - r0];
+      const int32_t s = static_cast<int32_t>(p / width);
+      out.gather_map[r] = p;
+      out.segment_ids[r] = s;
+      out.positions[r] = static_cast<int32_t>(r) - cu[s];
+      out.valid[r] = 1;
+    } else {
+      out.gather_map[r] = -1;
+      out.segment_ids[r] = -1;
+      out.positions[r] = 0;
+      out.valid[r] = 0;
+    }
+  }
+  if (r1 > r0) {
+    CopyRows(src, dst, units_per_row, r0, static_cast<int>(r1 - r0), fill,
+             [=](int64_t r) -> int64_t {
+               return r < kept ? source_of[r - r0] : -1;
+             });
+  }
+}
+
+int SmCount() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+            cudaSuccess) {
+      return 132;
+    }
+    return sms;
+  }();
+  return count;
+}
+
 template <typename Unit>
 cudaError_t LaunchGather(cudaStream_t stream, const void* src,
                          const int32_t* idx, int64_t out_rows,
@@ -224,10 +396,15 @@ cudaError_t LaunchGather(cudaStream_t stream, const void* src,
                          void* dst) {
   Unit fill;
   std::memcpy(&fill, pattern, sizeof(Unit));
-  if (units_per_row >= 128 && out_rows <= INT32_MAX) {
-    GatherRowsPerBlock<Unit><<<static_cast<unsigned>(out_rows), kThreads, 0,
+  if (units_per_row >= 128 && units_per_row <= kMaxUnitsPerRow) {
+    // About 2048 units per block (32 KB of 16-byte units).
+    const int rows_per_block =
+        static_cast<int>(std::max<int64_t>(1, 2048 / units_per_row));
+    const int64_t blocks = (out_rows + rows_per_block - 1) / rows_per_block;
+    GatherRowsPerBlock<Unit><<<static_cast<unsigned>(blocks), kThreads, 0,
                                stream>>>(static_cast<const Unit*>(src), idx,
-                                         units_per_row, fill,
+                                         out_rows, units_per_row,
+                                         rows_per_block, fill,
                                          static_cast<Unit*>(dst));
   } else {
     const int64_t n = out_rows * units_per_row;
@@ -272,16 +449,25 @@ cudaError_t PackInfoFromMask(cudaStream_t stream, const uint8_t* active,
   return cudaGetLastError();
 }
 
+namespace {
+
+// The fill as 16 bytes: the element's bytes repeated.
+void FillPattern(uint64_t fill_bits, int64_t elem_bytes, uint8_t pattern[16]) {
+  for (int i = 0; i < 16; ++i) {
+    pattern[i] = static_cast<uint8_t>(fill_bits >> (8 * (i % elem_bytes)));
+  }
+}
+
+}  // namespace
+
 cudaError_t GatherRows(cudaStream_t stream, const void* src,
                        const int32_t* idx, int64_t out_rows, int64_t row_bytes,
                        int64_t elem_bytes, uint64_t fill_bits, void* dst) {
   if (out_rows == 0 || row_bytes == 0) return cudaSuccess;
   // The widest unit that divides the rows, is aligned in both buffers and
-  // holds whole elements; the fill is the element's bytes repeated.
+  // holds whole elements.
   uint8_t pattern[16];
-  for (int i = 0; i < 16; ++i) {
-    pattern[i] = static_cast<uint8_t>(fill_bits >> (8 * (i % elem_bytes)));
-  }
+  FillPattern(fill_bits, elem_bytes, pattern);
   const uintptr_t align =
       reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
   for (int64_t unit : {16, 8, 4, 2, 1}) {
@@ -296,6 +482,46 @@ cudaError_t GatherRows(cudaStream_t stream, const void* src,
     }
   }
   return cudaErrorInvalidValue;  // rows not a whole number of elements
+}
+
+cudaError_t PackRows(cudaStream_t stream, const void* src,
+                     const uint8_t* active, int64_t n_seq, int64_t width,
+                     int64_t capacity, int64_t row_bytes, int64_t elem_bytes,
+                     uint64_t fill_bits, void* scratch, const PackInfoOut& out,
+                     void* dst) {
+  const int64_t size = n_seq * width;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(src) |
+                          reinterpret_cast<uintptr_t>(dst) |
+                          reinterpret_cast<uintptr_t>(active);
+  const bool fused = size > 0 && size <= kFusedMaxMask &&
+                     n_seq <= kFusedMaxSeq && capacity > 0 && elem_bytes <= 16 &&
+                     row_bytes > 0 && row_bytes % 16 == 0 && align % 16 == 0 &&
+                     row_bytes / 16 <= kMaxUnitsPerRow;
+  if (!fused) {  // the metadata kernels, then the gather
+    cudaError_t status =
+        PackInfoFromMask(stream, active, n_seq, width, capacity, scratch, out);
+    if (status != cudaSuccess) return status;
+    return GatherRows(stream, src, out.gather_map, capacity, row_bytes,
+                      elem_bytes, fill_bits, dst);
+  }
+  // Two blocks of kFusedThreads per SM, one wave, rows split evenly.
+  FusedGeometry geo;
+  geo.per_thread = static_cast<int>(
+      ((size + kFusedThreads - 1) / kFusedThreads + 15) / 16 * 16);
+  int64_t blocks = std::min<int64_t>(2 * SmCount(), (capacity + 7) / 8);
+  blocks = std::max<int64_t>(
+      blocks, (capacity + kFusedMaxRowsPerBlock - 1) / kFusedMaxRowsPerBlock);
+  geo.rows_per_block = (capacity + blocks - 1) / blocks;
+  blocks = (capacity + geo.rows_per_block - 1) / geo.rows_per_block;
+  uint8_t pattern[16];
+  FillPattern(fill_bits, elem_bytes, pattern);
+  uint4 fill;
+  std::memcpy(&fill, pattern, sizeof(fill));
+  PackRowsFused<uint4><<<static_cast<unsigned>(blocks), kFusedThreads, 0,
+                         stream>>>(static_cast<const uint4*>(src), active, n_seq,
+                                   width, capacity, row_bytes / 16, geo, fill,
+                                   out, static_cast<uint4*>(dst));
+  return cudaGetLastError();
 }
 
 }  // namespace rlk
