@@ -191,6 +191,11 @@ def _cuda_pack_rows(fill, capacity, src, mask) -> tuple[jax.Array, PackInfo]:
   rows and every field (the metadata costs no launches of its own)."""
   if jnp.issubdtype(src.dtype, jnp.inexact):
     packed, fields = _cuda_pack_rows_vjp(fill, capacity, src, _as_bool(mask))
+    # The fields left a differentiated call with (zero) integer tangents;
+    # a zero-JVP identity drops them, so integer consumers downstream (an
+    # FFI or Pallas call fed cu_seqlens or a gather map) are never asked
+    # for a JVP. XLA folds x & x away.
+    fields = tuple(jax.lax.bitwise_and(f, f) for f in fields)
   else:  # no gradient for integer data
     packed, fields = _cuda_pack_rows_call(fill, capacity, src, _as_bool(mask))
   return packed, PackInfo(*fields, mask_shape=tuple(mask.shape),
@@ -206,7 +211,9 @@ _cuda_pack_rows_vjp = jax.custom_vjp(_cuda_pack_rows_call, nondiff_argnums=(0, 1
 
 
 def _cuda_pack_rows_fwd(fill, capacity, src, active):
-  packed, fields = _cuda_pack_rows_call(fill, capacity, src, active)
+  # Through the custom_vjp again, so a derivative of this rule (second
+  # order) finds a rule too, not the raw FFI call.
+  packed, fields = _cuda_pack_rows_vjp(fill, capacity, src, active)
   return (packed, fields), (fields[-2], fields[-1])  # gather and scatter maps
 
 

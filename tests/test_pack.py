@@ -227,8 +227,8 @@ def test_reused_info_does_no_scan(impl):
       lambda y, i: rlk_jax.pack(y, i, implementation=impl)[0])(x, info))
   from_mask = str(jax.make_jaxpr(
       lambda y, m: rlk_jax.pack(y, m, implementation=impl)[0])(x, mask))
-  # The metadata's mark: XLA's prefix sum, or the CUDA metadata kernels.
-  scan = "rlk_pack_info" if impl == "cuda_ffi" else "cumsum"
+  # The metadata's mark: XLA's prefix sum, or the CUDA pack kernels.
+  scan = "rlk_pack_rows" if impl == "cuda_ffi" else "cumsum"
   assert scan in from_mask  # so the check below can fail
   assert scan not in from_info
 
