@@ -189,42 +189,39 @@ def _cuda_pack_info(mask: jax.Array, capacity: int) -> PackInfo:
 def _cuda_pack_rows(fill, capacity, src, mask) -> tuple[jax.Array, PackInfo]:
   """pack from a mask as one CUDA call: small masks take one kernel for the
   rows and every field (the metadata costs no launches of its own)."""
+  # The call itself is never differentiated: its integer fields must carry
+  # no tangents (integer consumers downstream, an FFI or Pallas call fed
+  # cu_seqlens or a gather map, would be asked for a JVP). The rows get
+  # pack's gradient attached afterwards.
+  packed, *fields = cuda_ffi.pack_rows(jax.lax.stop_gradient(src),
+                                       _as_bool(mask), capacity=capacity,
+                                       fill=fill)
+  info = PackInfo(*fields, mask_shape=tuple(mask.shape), capacity=capacity)
   if jnp.issubdtype(src.dtype, jnp.inexact):
-    packed, fields = _cuda_pack_rows_vjp(fill, capacity, src, _as_bool(mask))
-    # The fields left a differentiated call with (zero) integer tangents;
-    # a zero-JVP identity drops them, so integer consumers downstream (an
-    # FFI or Pallas call fed cu_seqlens or a gather map) are never asked
-    # for a JVP. XLA folds x & x away.
-    fields = tuple(jax.lax.bitwise_and(f, f) for f in fields)
-  else:  # no gradient for integer data
-    packed, fields = _cuda_pack_rows_call(fill, capacity, src, _as_bool(mask))
-  return packed, PackInfo(*fields, mask_shape=tuple(mask.shape),
-                          capacity=capacity)
+    packed = _with_pack_gradient(src, packed, info.gather_map,
+                                 info.scatter_map.reshape(-1))
+  return packed, info
 
 
-def _cuda_pack_rows_call(fill, capacity, src, active):
-  packed, *fields = cuda_ffi.pack_rows(src, active, capacity=capacity, fill=fill)
-  return packed, tuple(fields)
+@jax.custom_vjp
+def _with_pack_gradient(src, packed, gather_map, scatter_map):
+  """`packed`, with the gradient of packing `src` by these maps."""
+  del src, gather_map, scatter_map
+  return packed
 
 
-_cuda_pack_rows_vjp = jax.custom_vjp(_cuda_pack_rows_call, nondiff_argnums=(0, 1))
+def _with_pack_gradient_fwd(src, packed, gather_map, scatter_map):
+  return packed, (gather_map, scatter_map)
 
 
-def _cuda_pack_rows_fwd(fill, capacity, src, active):
-  # Through the custom_vjp again, so a derivative of this rule (second
-  # order) finds a rule too, not the raw FFI call.
-  packed, fields = _cuda_pack_rows_vjp(fill, capacity, src, active)
-  return (packed, fields), (fields[-2], fields[-1])  # gather and scatter maps
-
-
-def _cuda_pack_rows_bwd(fill, capacity, maps, cotangents):
+def _with_pack_gradient_bwd(maps, g):
   gather_map, scatter_map = maps
   # As pack's: the packed rows' gradient scattered back, zeros elsewhere.
-  return (_move_rows("cuda_ffi", 0, cotangents[0], scatter_map.reshape(-1),
-                     gather_map), None)
+  return (_move_rows("cuda_ffi", 0, g, scatter_map, gather_map), None, None,
+          None)
 
 
-_cuda_pack_rows_vjp.defvjp(_cuda_pack_rows_fwd, _cuda_pack_rows_bwd)
+_with_pack_gradient.defvjp(_with_pack_gradient_fwd, _with_pack_gradient_bwd)
 
 
 def check_no_overflow(info: PackInfo) -> None:

@@ -28,7 +28,8 @@ struct PackInfoOut {
 // Scratch bytes PackInfoFromMask needs for a mask of `size` positions.
 int64_t PackInfoScratchBytes(int64_t size);
 
-// `active`: n_seq * width bytes, 0 or 1 (sequence-major). Four kernels on
+// `active`: n_seq * width bytes, 0 or 1 (sequence-major; PackRows relies on
+// it too). Four kernels on
 // `stream`: per-tile counts, one scan over the tiles, the per-position and
 // per-row fields, then the pad rows and per-sequence fields.
 cudaError_t PackInfoFromMask(cudaStream_t stream, const uint8_t* active,

@@ -193,8 +193,11 @@ __global__ void FinishFields(int64_t n_seq, int64_t capacity, PackInfoOut out) {
 // each, from the rows `source(r)` of src (a row of `fill` where it is < 0).
 // The block's (row, unit) pairs are flattened over its threads and each
 // thread issues kUnroll loads before its stores, so enough bytes are in
-// flight to run at copy bandwidth whatever the row width.
-constexpr int kUnroll = 4;
+// flight to run at copy bandwidth whatever the row width; the loads and
+// stores are marked streaming (each byte is touched once). On the H100
+// this structure copied the benchmark's rows at memcpy speed
+// (benchmarks/results/h100-2026-11-22-experiments/gather_variants.txt).
+constexpr int kUnroll = 8;
 
 template <typename Unit, typename Source>
 __device__ void CopyRows(const Unit* __restrict__ src, Unit* __restrict__ dst,
@@ -211,13 +214,13 @@ __device__ void CopyRows(const Unit* __restrict__ src, Unit* __restrict__ dst,
       if (i < n) {
         const int row = i / upr;
         const int64_t s = source(row_begin + row);
-        v[k] = s < 0 ? fill : src[s * units_per_row + (i - row * upr)];
+        v[k] = s < 0 ? fill : __ldcs(src + s * units_per_row + (i - row * upr));
       }
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int i = base + k * blockDim.x;
-      if (i < n) dst[row_begin * units_per_row + i] = v[k];
+      if (i < n) __stcs(dst + row_begin * units_per_row + i, v[k]);
     }
   }
 }
@@ -264,10 +267,12 @@ constexpr int kFusedMaxRowsPerBlock = 1024;
 
 struct FusedGeometry {
   int64_t rows_per_block;
+  int64_t positions_per_block;  // of the scatter map
   int per_thread;  // positions a thread scans: a multiple of 16, at most 64
 };
 
-// Bits of `count` consecutive mask bytes from `first` (16-byte aligned).
+// Bits of `count` consecutive mask bytes from `first` (16-byte aligned;
+// XLA's bool bytes are 0 or 1, so one multiply gathers four of them).
 __device__ uint64_t LoadMaskBits(const uint8_t* __restrict__ active,
                                  int64_t size, int64_t first, int count) {
   uint64_t bits = 0;
@@ -278,10 +283,7 @@ __device__ uint64_t LoadMaskBits(const uint8_t* __restrict__ active,
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if ((words[w] >> (8 * k)) & 0xffu) bits |= 1ull << (c + 4 * w + k);
-        }
+        bits |= static_cast<uint64_t>((words[w] * 0x10204080u) >> 28) << (c + 4 * w);
       }
     } else {
       for (int k = 0; k < 16 && p + k < size; ++k) {
@@ -302,34 +304,40 @@ PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
   __shared__ int32_t source_of[kFusedMaxRowsPerBlock];
   __shared__ int32_t longest;
   const int64_t size = n_seq * width;
-  const int64_t first = static_cast<int64_t>(threadIdx.x) * geo.per_thread;
-  const uint64_t bits = first < size
-      ? LoadMaskBits(active, size, first, geo.per_thread) : 0;
+  const int per = geo.per_thread;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * per;
+  const int64_t last = min(first + per, size);  // this thread's positions
+  const uint64_t bits = first < size ? LoadMaskBits(active, size, first, per) : 0;
   int total;
-  int running = BlockExclusiveScan(__popcll(bits), &total);
+  const int before = BlockExclusiveScan(__popcll(bits), &total);
   const int64_t kept = min(static_cast<int64_t>(total), capacity);
   const int64_t r0 = blockIdx.x * geo.rows_per_block;
   const int64_t r1 = min(r0 + geo.rows_per_block, capacity);
-  // This thread's positions: sequence starts (cu_seqlens), the sources of
-  // this block's rows, and (for one block per thread index) the scatter map.
-  const bool scatter = threadIdx.x % gridDim.x == blockIdx.x;
-  int64_t seq = first / max(width, static_cast<int64_t>(1));
-  int64_t next_start = seq * width == first ? first : (++seq) * width;
-  for (int j = 0; j < geo.per_thread; ++j) {
-    const int64_t p = first + j;
-    if (p >= size) break;
-    if (p == next_start) {
-      cu[seq] = running;
-      ++seq;
-      next_start += width;
+  // Only bit counts for most threads: the sequence starts in its positions,
+  // and a walk over its set bits only where they are this block's rows.
+  const int64_t seq0 = (first + width - 1) / width;
+  for (int64_t s = seq0; s * width < last; ++s) {
+    const int offset = static_cast<int>(s * width - first);  // < 64
+    cu[s] = before + __popcll(bits & ((1ull << offset) - 1));
+  }
+  if (before < r1 && before + __popcll(bits) > r0) {
+    int row = before;
+    for (uint64_t b = bits; b; b &= b - 1, ++row) {
+      if (row >= r0 && row < r1) {
+        source_of[row - r0] = static_cast<int32_t>(first + __ffsll(b) - 1);
+      }
     }
-    const bool on = (bits >> j) & 1u;
-    const bool in_capacity = on && running < capacity;
-    if (in_capacity && running >= r0 && running < r1) {
-      source_of[running - r0] = static_cast<int32_t>(p);
+  }
+  // The scatter map: each block writes one slice of the positions.
+  const int64_t p0 = blockIdx.x * geo.positions_per_block;
+  const int64_t p1 = min(p0 + geo.positions_per_block, size);
+  if (first < p1 && last > p0) {
+    int row = before;
+    for (int64_t p = first; p < last; ++p) {
+      const bool on = (bits >> (p - first)) & 1u;
+      if (p >= p0 && p < p1) out.scatter_map[p] = on && row < capacity ? row : -1;
+      row += on;
     }
-    if (scatter) out.scatter_map[p] = in_capacity ? running : -1;
-    running += on;
   }
   if (threadIdx.x == 0) {
     cu[n_seq] = total;
@@ -376,19 +384,6 @@ PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
   }
 }
 
-int SmCount() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
-            cudaSuccess) {
-      return 132;
-    }
-    return sms;
-  }();
-  return count;
-}
-
 template <typename Unit>
 cudaError_t LaunchGather(cudaStream_t stream, const void* src,
                          const int32_t* idx, int64_t out_rows,
@@ -397,9 +392,9 @@ cudaError_t LaunchGather(cudaStream_t stream, const void* src,
   Unit fill;
   std::memcpy(&fill, pattern, sizeof(Unit));
   if (units_per_row >= 128 && units_per_row <= kMaxUnitsPerRow) {
-    // About 2048 units per block (32 KB of 16-byte units).
+    // About 1024 units per block (16 KB of 16-byte units).
     const int rows_per_block =
-        static_cast<int>(std::max<int64_t>(1, 2048 / units_per_row));
+        static_cast<int>(std::max<int64_t>(1, 1024 / units_per_row));
     const int64_t blocks = (out_rows + rows_per_block - 1) / rows_per_block;
     GatherRowsPerBlock<Unit><<<static_cast<unsigned>(blocks), kThreads, 0,
                                stream>>>(static_cast<const Unit*>(src), idx,
@@ -504,22 +499,23 @@ cudaError_t PackRows(cudaStream_t stream, const void* src,
     return GatherRows(stream, src, out.gather_map, capacity, row_bytes,
                       elem_bytes, fill_bits, dst);
   }
-  // Two blocks of kFusedThreads per SM, one wave, rows split evenly.
+  // A few rows per block (the copy runs fastest in small blocks of rows);
+  // every block's scan of the mask is bit counting, cheap next to its rows.
   FusedGeometry geo;
   geo.per_thread = static_cast<int>(
       ((size + kFusedThreads - 1) / kFusedThreads + 15) / 16 * 16);
-  int64_t blocks = std::min<int64_t>(2 * SmCount(), (capacity + 7) / 8);
-  blocks = std::max<int64_t>(
-      blocks, (capacity + kFusedMaxRowsPerBlock - 1) / kFusedMaxRowsPerBlock);
-  geo.rows_per_block = (capacity + blocks - 1) / blocks;
-  blocks = (capacity + geo.rows_per_block - 1) / geo.rows_per_block;
+  const int64_t upr = row_bytes / 16;
+  geo.rows_per_block = std::max<int64_t>(
+      1, std::min<int64_t>(kFusedMaxRowsPerBlock, 8192 / upr));
+  const int64_t blocks = (capacity + geo.rows_per_block - 1) / geo.rows_per_block;
+  geo.positions_per_block = (size + blocks - 1) / blocks;
   uint8_t pattern[16];
   FillPattern(fill_bits, elem_bytes, pattern);
   uint4 fill;
   std::memcpy(&fill, pattern, sizeof(fill));
   PackRowsFused<uint4><<<static_cast<unsigned>(blocks), kFusedThreads, 0,
                          stream>>>(static_cast<const uint4*>(src), active, n_seq,
-                                   width, capacity, row_bytes / 16, geo, fill,
+                                   width, capacity, upr, geo, fill,
                                    out, static_cast<uint4*>(dst));
   return cudaGetLastError();
 }
