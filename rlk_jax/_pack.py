@@ -211,7 +211,10 @@ def _with_pack_gradient(src, packed, gather_map, scatter_map):
 
 
 def _with_pack_gradient_fwd(src, packed, gather_map, scatter_map):
-  return packed, (gather_map, scatter_map)
+  # Through the custom_vjp again, so a derivative of this rule (second
+  # order) still sees `packed` depend on `src`.
+  return (_with_pack_gradient(src, packed, gather_map, scatter_map),
+          (gather_map, scatter_map))
 
 
 def _with_pack_gradient_bwd(maps, g):
