@@ -3,6 +3,7 @@
 // same kernels (pack_rows.h).
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -122,45 +123,44 @@ ffi::Error GatherRowsFfi(cudaStream_t stream, ffi::AnyBuffer src,
 }  // namespace
 }  // namespace rlk
 
+
+namespace {
+
+// The ten PackInfo fields (rlk_jax.PackInfo's order) as results, then the
+// mask's shape and the capacity as attributes.
+template <typename Binding>
+auto WithPackInfo(Binding&& binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("n_seq")
+      .template Attr<int64_t>("width")
+      .template Attr<int64_t>("capacity");
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackInfo, rlk::PackInfoFfi,
-                              ffi::Ffi::Bind()
+                              WithPackInfo(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("n_seq")
-                                  .Attr<int64_t>("width")
-                                  .Attr<int64_t>("capacity"));
+                                  .Arg<ffi::AnyBuffer>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackRows, rlk::PackRowsFfi,
-                              ffi::Ffi::Bind()
+                              WithPackInfo(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("n_seq")
-                                  .Attr<int64_t>("width")
-                                  .Attr<int64_t>("capacity")
+                                  .Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("fill_bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
