@@ -156,16 +156,22 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
         f"raster {RASTERS})")
   library()  # registers the target (or raises with the reason)
   m = a.shape[1] if transpose_a else a.shape[0]
+  k = a.shape[0] if transpose_a else a.shape[1]
   n = b.shape[0] if transpose_b else b.shape[1]
+  out_f32 = np.dtype(out_dtype) == np.float32
+  # The kernel's workspace is an XLA-allocated result (what lets XLA capture
+  # the call into a CUDA graph; ffi_traits.h), sized when tracing.
+  ws = _workspace_bytes(int(transpose_a), int(transpose_b), int(out_f32),
+                        m, n, k, CONFIGS[config]) if m else 0
   call = jax.ffi.ffi_call(
-      FFI_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
+      FFI_TARGET, (_sds((m, n), out_dtype), _sds((ws,), np.uint8)),
       # A vmapped det_gemm arrives already flattened to 2-D by rlk_jax; any
       # other batching runs the GEMM per batch element, which keeps each
       # row's bits.
       vmap_method="sequential")
   return call(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
               config=np.int64(CONFIGS[config]), swizzle=np.int64(swizzle),
-              raster=np.int64(raster))
+              raster=np.int64(raster))[0]
 
 
 def chosen_config(m: int, n: int) -> str:
@@ -206,14 +212,22 @@ def launch(a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, *,
 # pack
 
 
-def _info_shapes(mask_shape, capacity):
+def _sds(shape, dtype):
   import jax
-  import jax.numpy as jnp
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _info_shapes(mask_shape, capacity):
+  i32 = lambda *shape: _sds(shape, np.int32)
   n_seq = mask_shape[0]
   return (i32(n_seq + 1), i32(n_seq), i32(), i32(), i32(), i32(capacity),
-          i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.bool_),
-          i32(capacity), i32(*mask_shape))
+          i32(capacity), _sds((capacity,), np.bool_), i32(capacity),
+          i32(*mask_shape))
+
+
+def _scratch_shape(active):
+  # The metadata kernels' scratch, an XLA-allocated result (ffi_traits.h).
+  return _sds((pack_info_scratch_bytes(active.size),), np.uint8)
 
 
 def _mask_attrs(active, capacity):
@@ -229,10 +243,11 @@ def pack_info(active, *, capacity: int):
   num_dropped, segment_ids, positions, valid, gather_map, scatter_map."""
   import jax
   library()
-  call = jax.ffi.ffi_call(PACK_INFO_TARGET,
-                          _info_shapes(active.shape, capacity),
-                          vmap_method="sequential")
-  return call(active.reshape(-1), **_mask_attrs(active, capacity))
+  call = jax.ffi.ffi_call(
+      PACK_INFO_TARGET,
+      (*_info_shapes(active.shape, capacity), _scratch_shape(active)),
+      vmap_method="sequential")
+  return call(active.reshape(-1), **_mask_attrs(active, capacity))[:-1]
 
 
 def pack_rows(src, active, *, capacity: int, fill):
@@ -243,11 +258,11 @@ def pack_rows(src, active, *, capacity: int, fill):
   library()
   call = jax.ffi.ffi_call(
       PACK_ROWS_TARGET,
-      (jax.ShapeDtypeStruct((capacity, src.shape[1]), src.dtype),
-       *_info_shapes(active.shape, capacity)),
+      (_sds((capacity, src.shape[1]), src.dtype),
+       *_info_shapes(active.shape, capacity), _scratch_shape(active)),
       vmap_method="sequential")
   return call(src, active.reshape(-1), **_mask_attrs(active, capacity),
-              fill_bits=_fill_attr(fill, src.dtype))
+              fill_bits=_fill_attr(fill, src.dtype))[:-1]
 
 
 def fill_bits(fill, dtype) -> int:

@@ -154,7 +154,8 @@ def test_auto_falls_back_where_the_kernel_cannot_and_named_raises(rng):
   with pytest.raises(ValueError, match="operands must be bfloat16"):
     rlk_jax.det_gemm(a.astype(jnp.float16)[:, :1000],
                      b.astype(jnp.float16)[:1000], implementation="cuda_ffi")
-  # The library checks again itself: a raw FFI call with bad pitches errors.
+  # The library checks again itself: a raw FFI call with bad pitches errors
+  # (when its workspace is sized, at trace time).
   with pytest.raises(Exception, match="multiples of 16"):
     jax.block_until_ready(product("auto")(a, b))
 

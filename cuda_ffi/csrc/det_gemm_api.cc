@@ -1,7 +1,8 @@
 // Entry points of the SM90 det_gemm: an XLA FFI handler (JAX) and a plain C
 // function (the torch bridge, on torch's current stream). Both check the
 // problem the same way and launch the same kernels, so they give the same
-// bits for the same inputs.
+// bits for the same inputs. The FFI handler is command-buffer compatible
+// (ffi_traits.h): its workspace is an XLA-allocated result.
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -10,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "det_gemm_sm90.h"
+#include "ffi_traits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -121,9 +123,9 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
   return {false, "unreachable layout"};
 }
 
-ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                      ffi::AnyBuffer a, ffi::AnyBuffer b,
-                      ffi::Result<ffi::AnyBuffer> c, bool transpose_a,
+ffi::Error DetGemmFfi(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                      ffi::Result<ffi::AnyBuffer> c,
+                      ffi::Result<ffi::AnyBuffer> workspace, bool transpose_a,
                       bool transpose_b, int64_t config, int64_t swizzle,
                       int64_t raster) {
   auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
@@ -167,16 +169,14 @@ ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
   LaunchStatus status = Launch(transpose_a, transpose_b, out_f32, p, cfg,
                                &needed);
   if (!status.ok) return ffi::Error::Internal(status.message);
-  if (needed > 0) {
-    auto ws = scratch.Allocate(needed, 256);
-    if (!ws.has_value()) {
-      return ffi::Error(
-          ffi::ErrorCode::kResourceExhausted,
-          "rlk cuda_ffi det_gemm: could not allocate the kernel workspace");
-    }
-    p.workspace = *ws;
-    p.workspace_bytes = needed;
+  if (needed > workspace->size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "rlk cuda_ffi det_gemm: the kernel needs " + std::to_string(needed) +
+        " workspace bytes, the workspace result has " +
+        std::to_string(workspace->size_bytes()));
   }
+  p.workspace = workspace->untyped_data();
+  p.workspace_bytes = workspace->size_bytes();
   p.c = c->untyped_data();
   status = Launch(transpose_a, transpose_b, out_f32, p, cfg, nullptr);
   if (!status.ok) return ffi::Error::Internal(status.message);
@@ -189,15 +189,16 @@ ffi::Error DetGemmFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkDetGemmSm90, rlk::DetGemmFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b")
                                   .Attr<int64_t>("config")
                                   .Attr<int64_t>("swizzle")
-                                  .Attr<int64_t>("raster"));
+                                  .Attr<int64_t>("raster"),
+                              RLK_FFI_TRAITS);
 
 extern "C" {
 

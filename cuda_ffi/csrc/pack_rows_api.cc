@@ -1,12 +1,15 @@
 // Entry points of the pack kernels: XLA FFI handlers (JAX) and plain C
 // functions (the torch bridge, on torch's current stream). Both launch the
 // same kernels (pack_rows.h).
+// The handlers are command-buffer compatible (ffi_traits.h): the scratch
+// is an XLA-allocated result.
 #include <cstdint>
 #include <string>
 #include <utility>
 
 #include <cuda_runtime.h>
 
+#include "ffi_traits.h"
 #include "pack_rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,46 +38,49 @@ PackInfoOut InfoOut(Field& cu, Field& seq_lens, Field& total, Field& max_seqlen,
                      i32(gather_map), i32(scatter_map)};
 }
 
-ffi::Error PackInfoFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer active, ffi::Result<ffi::AnyBuffer> cu,
-                       ffi::Result<ffi::AnyBuffer> seq_lens,
-                       ffi::Result<ffi::AnyBuffer> total,
-                       ffi::Result<ffi::AnyBuffer> max_seqlen,
-                       ffi::Result<ffi::AnyBuffer> num_dropped,
-                       ffi::Result<ffi::AnyBuffer> segment_ids,
-                       ffi::Result<ffi::AnyBuffer> positions,
-                       ffi::Result<ffi::AnyBuffer> valid,
-                       ffi::Result<ffi::AnyBuffer> gather_map,
-                       ffi::Result<ffi::AnyBuffer> scatter_map, int64_t n_seq,
-                       int64_t width, int64_t capacity) {
+// The scratch result must hold PackInfoScratchBytes of the mask.
+ffi::Error CheckScratch(Field& scratch, int64_t size, const char* who) {
+  if (static_cast<int64_t>(scratch->size_bytes()) < PackInfoScratchBytes(size)) {
+    return ffi::Error::InvalidArgument(
+        std::string(who) + ": the scratch result needs " +
+        std::to_string(PackInfoScratchBytes(size)) + " bytes, got " +
+        std::to_string(scratch->size_bytes()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PackInfoFfi(cudaStream_t stream, ffi::AnyBuffer active, Field cu,
+                       Field seq_lens, Field total, Field max_seqlen,
+                       Field num_dropped, Field segment_ids, Field positions,
+                       Field valid, Field gather_map, Field scatter_map,
+                       Field scratch, int64_t n_seq, int64_t width,
+                       int64_t capacity) {
   if (active.element_type() != ffi::PRED ||
       static_cast<int64_t>(active.element_count()) != n_seq * width) {
     return ffi::Error::InvalidArgument(
         "rlk cuda_ffi pack_info: the mask must be bool with n_seq * width "
         "elements");
   }
-  auto bytes = scratch.Allocate(PackInfoScratchBytes(n_seq * width), 16);
-  if (!bytes.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "rlk cuda_ffi pack_info: no scratch memory");
+  if (auto e = CheckScratch(scratch, n_seq * width, "rlk cuda_ffi pack_info");
+      e.failure()) {
+    return e;
   }
   const PackInfoOut out = InfoOut(cu, seq_lens, total, max_seqlen, num_dropped,
                                   segment_ids, positions, valid, gather_map,
                                   scatter_map);
   const char* error = ErrorOf(PackInfoFromMask(
       stream, static_cast<const uint8_t*>(active.untyped_data()), n_seq, width,
-      capacity, *bytes, out));
+      capacity, scratch->untyped_data(), out));
   return error ? ffi::Error::Internal(error) : ffi::Error::Success();
 }
 
-ffi::Error PackRowsFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer src, ffi::AnyBuffer active,
-                       ffi::Result<ffi::AnyBuffer> dst, Field cu,
+ffi::Error PackRowsFfi(cudaStream_t stream, ffi::AnyBuffer src,
+                       ffi::AnyBuffer active, Field dst, Field cu,
                        Field seq_lens, Field total, Field max_seqlen,
                        Field num_dropped, Field segment_ids, Field positions,
                        Field valid, Field gather_map, Field scatter_map,
-                       int64_t n_seq, int64_t width, int64_t capacity,
-                       int64_t fill_bits) {
+                       Field scratch, int64_t n_seq, int64_t width,
+                       int64_t capacity, int64_t fill_bits) {
   auto ds = src.dimensions(), dd = dst->dimensions();
   if (active.element_type() != ffi::PRED ||
       static_cast<int64_t>(active.element_count()) != n_seq * width ||
@@ -85,17 +91,16 @@ ffi::Error PackRowsFfi(cudaStream_t stream, ffi::ScratchAllocator scratch,
         "rlk cuda_ffi pack_rows: src [n_seq * width, D], a bool mask of "
         "n_seq * width elements and dst [capacity, D] of src's dtype expected");
   }
-  auto bytes = scratch.Allocate(PackInfoScratchBytes(n_seq * width), 16);
-  if (!bytes.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "rlk cuda_ffi pack_rows: no scratch memory");
+  if (auto e = CheckScratch(scratch, n_seq * width, "rlk cuda_ffi pack_rows");
+      e.failure()) {
+    return e;
   }
   const int64_t elem_bytes = ffi::ByteWidth(src.element_type());
   const char* error = ErrorOf(PackRows(
       stream, src.untyped_data(),
       static_cast<const uint8_t*>(active.untyped_data()), n_seq, width,
       capacity, ds[1] * elem_bytes, elem_bytes, static_cast<uint64_t>(fill_bits),
-      *bytes,
+      scratch->untyped_data(),
       InfoOut(cu, seq_lens, total, max_seqlen, num_dropped, segment_ids,
               positions, valid, gather_map, scatter_map),
       dst->untyped_data()));
@@ -126,8 +131,8 @@ ffi::Error GatherRowsFfi(cudaStream_t stream, ffi::AnyBuffer src,
 
 namespace {
 
-// The ten PackInfo fields (rlk_jax.PackInfo's order) as results, then the
-// mask's shape and the capacity as attributes.
+// The ten PackInfo fields (rlk_jax.PackInfo's order) and the scratch as
+// results, then the mask's shape and the capacity as attributes.
 template <typename Binding>
 auto WithPackInfo(Binding&& binding) {
   return std::move(binding)
@@ -141,6 +146,7 @@ auto WithPackInfo(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()  // scratch
       .template Attr<int64_t>("n_seq")
       .template Attr<int64_t>("width")
       .template Attr<int64_t>("capacity");
@@ -151,17 +157,17 @@ auto WithPackInfo(Binding&& binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackInfo, rlk::PackInfoFfi,
                               WithPackInfo(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()));
+                                  .Arg<ffi::AnyBuffer>()),
+                              RLK_FFI_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkPackRows, rlk::PackRowsFfi,
                               WithPackInfo(ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>())
-                                  .Attr<int64_t>("fill_bits"));
+                                  .Attr<int64_t>("fill_bits"),
+                              RLK_FFI_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
                               ffi::Ffi::Bind()
@@ -169,7 +175,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fill_bits"));
+                                  .Attr<int64_t>("fill_bits"),
+                              RLK_FFI_TRAITS);
 
 extern "C" {
 
