@@ -41,13 +41,24 @@ def _shapes(smoke: bool):
               densities=(0.05, 0.3, 0.7, 1.0))
 
 
+# Each timed program runs CALLS calls over BUFFERS input buffers (several,
+# so repeated calls do not re-read a warm cache). One jitted execution costs
+# the GPU about 40 us of idle time beyond its kernels on the H100 (the
+# CUPTI trace of scripts/profile_jit_kernels.py: 4 packs of 67 us ran in a
+# program of 306 us); 16 calls spread that over the calls, as an op inside a
+# training step would (the CPU smoke run keeps one call a buffer). Distinct
+# masks (or addends) keep XLA from merging calls that share a buffer.
+BUFFERS, CALLS = 4, 16
+
+
 def _copy_bandwidth(xs) -> tuple[float, list[Row]]:
   """Device-to-device copy bandwidth (bytes read + written per second)."""
   rows = []
   x = xs[0]
   nbytes = 2 * x.size * x.dtype.itemsize
-  copy = lambda a: a + jnp.ones((), a.dtype)  # one read, one write
-  ms = harness.time_jax(copy, [(a,) for a in xs])
+  copy = lambda a, c: a + c  # one read, one write
+  ms = harness.time_jax(copy, [(xs[i % len(xs)], jnp.asarray(i + 1, x.dtype))
+                               for i in range(CALLS)])
   rows.append(Row(BENCH, "copy", "xla_elementwise_copy", ms, nbytes / ms / 1e6))
   best = nbytes / ms / 1e6
   torch = harness.torch_or_none()
@@ -75,17 +86,18 @@ def run(smoke: bool) -> list[Row]:
   cfg = _shapes(smoke)
   b, s, h, dtype = cfg["batch"], cfg["seq"], cfg["hidden"], cfg["dtype"]
   rng = np.random.default_rng(0)
-  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
-  # Several buffers, so repeated calls do not just re-read a warm cache.
-  xs = [jax.random.normal(k, (b, s, h), jnp.float32).astype(dtype) for k in keys]
+  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), BUFFERS)
+  buffers = [jax.random.normal(k, (b, s, h), jnp.float32).astype(dtype)
+             for k in keys]
+  xs = [buffers[i % BUFFERS] for i in range(BUFFERS if smoke else CALLS)]
   bw_gbps, rows = _copy_bandwidth(xs)
   row_bytes = h * jnp.dtype(dtype).itemsize
   torch = harness.torch_or_none()
 
   for density in cfg["densities"]:
     active = int(round(density * b * s))
-    # One mask per input set, all with exactly `active` rows: distinct masks
-    # keep XLA from merging the metadata of the unrolled calls.
+    # One mask per call, all with exactly `active` rows: distinct masks keep
+    # XLA from merging calls.
     masks = [_mask_with(rng, (b, s), active) for _ in xs]
     for cap_name, capacity in (("cap=mask.size", b * s),
                                ("cap=active_r128", -(-active // 128) * 128)):
