@@ -98,8 +98,9 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64]
   lib.rlk_pack_info_scratch_bytes.restype = i64
   lib.rlk_pack_info_scratch_bytes.argtypes = [i64]
-  lib.rlk_pack_info.restype = ctypes.c_char_p
-  lib.rlk_pack_info.argtypes = [vp, vp, i64, i64, i64, vp] + [vp] * 10
+  lib.rlk_pack_rows.restype = ctypes.c_char_p
+  lib.rlk_pack_rows.argtypes = [vp, vp, vp, i64, i64, i64, i64, i64,
+                                ctypes.c_uint64, vp] + [vp] * 11
   lib.rlk_gather_rows.restype = ctypes.c_char_p
   lib.rlk_gather_rows.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_uint64,
                                   vp]
@@ -286,11 +287,15 @@ def _fill_attr(fill, dtype):
   return np.array(fill_bits(fill, dtype), np.uint64).view(np.int64)[()]
 
 
-def launch_pack_info(stream: int, active_ptr: int, n_seq: int, width: int,
-                     capacity: int, scratch_ptr: int, field_ptrs) -> None:
-  """The same kernels on raw pointers and a stream (the torch bridge)."""
-  err = library().rlk_pack_info(stream, active_ptr, n_seq, width, capacity,
-                                scratch_ptr, *field_ptrs)
+def launch_pack_rows(stream: int, src_ptr: int, active_ptr: int, n_seq: int,
+                     width: int, capacity: int, row_bytes: int,
+                     elem_bytes: int, fill: int, scratch_ptr: int, field_ptrs,
+                     dst_ptr: int) -> None:
+  """pack_rows's kernels on raw pointers and a stream (the torch bridge):
+  the packed rows at `dst_ptr` and every field, one kernel for small masks."""
+  err = library().rlk_pack_rows(stream, src_ptr, active_ptr, n_seq, width,
+                                capacity, row_bytes, elem_bytes, fill,
+                                scratch_ptr, *field_ptrs, dst_ptr)
   if err is not None:
     raise RuntimeError(err.decode())
 

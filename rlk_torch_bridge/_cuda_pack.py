@@ -1,6 +1,7 @@
 """pack / unpack launched straight from torch: the cuda_ffi kernels that
 rlk_jax's ``"cuda_ffi"`` pack implementation calls through XLA FFI (the
-metadata kernels and the row gather), so the same integers and bytes,
+one-kernel pack from a mask, the metadata kernels, the row gather), so the
+same integers and bytes,
 without the DLPack round trip and the JAX dispatch (the bridge's per-call
 cost). Stream order and lifetime hold by construction, as for det_gemm's
 direct route (see ``_sm90``).
@@ -25,7 +26,7 @@ _ALIGN = 16  # the scratch after the fields starts 16-byte aligned
 @functools.lru_cache(maxsize=None)
 def _info_plan(mask_shape: tuple, capacity: int):
   """(field addresses' offsets in FIELDS order, info bytes, scratch offset,
-  total bytes) of the one allocation a pack_info launch writes."""
+  total bytes) of the one allocation a pack launch writes its fields to."""
   nbytes = _packinfo.layout(mask_shape, capacity)[1]
   offsets = _packinfo.offsets(mask_shape, capacity)
   scratch_at = -(-nbytes // _ALIGN) * _ALIGN
@@ -34,8 +35,9 @@ def _info_plan(mask_shape: tuple, capacity: int):
           scratch_at + scratch)
 
 
-def pack_info(mask: torch.Tensor, capacity: int) -> PackInfo:
-  """The PackInfo of `mask` (any dtype, nonzero = active), on its stream."""
+def _info_launch(mask: torch.Tensor, capacity: int):
+  """(active bytes, n_seq, width, the info buffer, its field bytes, scratch
+  address, field addresses): what a launch that writes a PackInfo needs."""
   mask_shape = tuple(mask.shape)
   active = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
   offsets, nbytes, scratch_at, total = _info_plan(mask_shape, capacity)
@@ -43,10 +45,28 @@ def pack_info(mask: torch.Tensor, capacity: int) -> PackInfo:
   base = buffer.data_ptr()
   n_seq = mask_shape[0]
   width = active.numel() // n_seq if n_seq else 0
-  cuda_ffi.launch_pack_info(
-      _current_stream_handle(mask.device.index), active.data_ptr(), n_seq,
-      width, capacity, base + scratch_at, [base + o for o in offsets])
-  return PackInfo.from_buffer(buffer[:nbytes], None, mask_shape, capacity)
+  return (active, n_seq, width, buffer, nbytes, base + scratch_at,
+          [base + o for o in offsets])
+
+
+def pack_from_mask(x: torch.Tensor, mask: torch.Tensor, capacity: int,
+                   fill) -> tuple[torch.Tensor, PackInfo]:
+  """``(packed [capacity, *tail], PackInfo)`` from the mask: the rows and
+  every field in one kernel for masks of up to 65536 positions with 16-byte
+  rows (the kernel rlk_jax's cuda_ffi pack runs), else the metadata kernels
+  and the gather."""
+  src = x.contiguous()
+  tail = tuple(src.shape[mask.ndim:])
+  out = torch.empty((capacity, *tail), dtype=src.dtype, device=src.device)
+  active, n_seq, width, buffer, nbytes, scratch, fields = _info_launch(
+      mask, capacity)
+  cuda_ffi.launch_pack_rows(
+      _current_stream_handle(src.device.index), src.data_ptr(),
+      active.data_ptr(), n_seq, width, capacity,
+      math.prod(tail) * src.element_size(), src.element_size(),
+      _fill_bits(fill, src.dtype), scratch, fields, out.data_ptr())
+  return out, PackInfo.from_buffer(buffer[:nbytes], None, tuple(mask.shape),
+                                   capacity)
 
 
 def _index_map(info: PackInfo, name: str) -> tuple[int, object]:

@@ -163,19 +163,21 @@ def _run_pack_from_mask(x, mask, capacity, fill, implementation):
 
 
 class _PackFromMask(torch.autograd.Function):
+  """pack from a mask and, as its VJP, unpack with fill 0; `run_pack(x,
+  mask, capacity, fill)` and `run_move` are the route's (direct or JAX)."""
 
   @staticmethod
-  def forward(ctx, x, mask, capacity, fill, implementation, info_out):
-    packed, info = _run_pack_from_mask(x, mask, capacity, fill, implementation)
-    ctx.info, ctx.implementation = info, implementation
+  def forward(ctx, x, mask, capacity, fill, run_pack, run_move, info_out):
+    packed, info = run_pack(x, mask, capacity, fill)
+    ctx.info, ctx.run_move = info, run_move
     info_out.append(info)
     return packed
 
   @staticmethod
   @torch.autograd.function.once_differentiable
   def backward(ctx, g):
-    return (_run_move(g, ctx.info, "unpack", 0, ctx.implementation),
-            None, None, None, None, None)
+    return (ctx.run_move(g, ctx.info, "unpack", 0),
+            None, None, None, None, None, None)
 
 
 def _as_int32_words(op, x, fill_value):
@@ -253,18 +255,22 @@ def pack(x: torch.Tensor, mask_or_info, capacity: int | None = None,
   if capacity < mask.numel():
     _pack.check_fits("rlk_torch_bridge.pack", mask_shape,
                      int(torch.count_nonzero(mask)), capacity)
-  if impl == "cuda_ffi" and x.is_cuda:
-    info = _cuda_pack.pack_info(mask, capacity)
-    return _move_rows("pack", x, info, fill, impl), info
-  dtype, words = x.dtype, x.element_size() == 8
+  direct = impl == "cuda_ffi" and x.is_cuda
+  if direct:
+    run_pack, run_move = _cuda_pack.pack_from_mask, _cuda_pack.move
+  else:
+    run_pack = functools.partial(_run_pack_from_mask, implementation=impl)
+    run_move = functools.partial(_run_move, implementation=impl)
+  dtype, words = x.dtype, x.element_size() == 8 and not direct
   if words:
     x = _as_int32_words("pack", x, fill)
   if _needs_grad(x):
     info_out = []
-    packed = _PackFromMask.apply(x, mask, capacity, fill, impl, info_out)
+    packed = _PackFromMask.apply(x, mask, capacity, fill, run_pack, run_move,
+                                 info_out)
     info = info_out[0]
   else:
-    packed, info = _run_pack_from_mask(x, mask, capacity, fill, impl)
+    packed, info = run_pack(x, mask, capacity, fill)
   return (packed.view(dtype).squeeze(-1) if words else packed), info
 
 

@@ -185,8 +185,10 @@ def test_torch_route_same_bits_and_gradients(rng):
   assert_bitwise_equal(as_np(tw.grad), dw)
 
 
-# Small ragged problems through the library's C entry (torch owns memory and
-# stream), every config, every layout.
+# Small ragged problems through the library's C entries (torch owns memory
+# and stream): det_gemm in every config and layout, then pack from a mask
+# through the one-kernel path (16-byte rows) and the metadata kernels + gather
+# (6-byte rows, a mask past the one-kernel limit).
 SANITIZE_SCRIPT = textwrap.dedent("""
     import torch, cuda_ffi
     torch.manual_seed(0)
@@ -203,6 +205,18 @@ SANITIZE_SCRIPT = textwrap.dedent("""
                             transpose_a=ta, transpose_b=tb, out_f32=True,
                             stream=stream, config=config)
             assert ((c.double() - ref).norm() / ref.norm()) < 1e-5, (m, ta, tb, config)
+    import rlk_torch_bridge as rtb
+    for shape, tail, capacity in (((5, 300), (64,), 700), ((3, 301), (3,), 450),
+                                  ((2, 40000), (8,), 34000)):
+      mask = torch.rand(shape, device="cuda") < 0.4
+      x = torch.randn(*shape, *tail, device="cuda").to(torch.bfloat16)
+      packed, info = rtb.pack(x, mask, capacity=capacity, fill_value=-1.0,
+                              implementation="cuda_ffi")
+      rows = x[mask]
+      n = rows.shape[0]
+      assert n <= capacity and torch.equal(packed[:n], rows), shape
+      assert bool((packed[n:] == -1).all()), shape
+      assert int(info.total) == n, shape
     torch.cuda.synchronize()
     print("sanitized ok")
 """)

@@ -105,6 +105,10 @@ def test_pack_routes_same_bits_and_gradients_as_jax(implementation):
   ids = torch.randint(-2**40, 2**40, (12, 777), device="cuda")  # int64 rows
   packed_ids, _ = rtb.pack(ids, info, implementation=implementation)
   assert torch.equal(packed_ids[:int(mask.sum())], ids[mask])
+  packed_ids, ids_info = rtb.pack(ids, mask, capacity=info.capacity,
+                                  implementation=implementation)
+  assert torch.equal(packed_ids[:int(mask.sum())], ids[mask])
+  assert torch.equal(ids_info.gather_map, info.gather_map)
 
 
 def test_det_linear_rows_invariant_on_cuda():

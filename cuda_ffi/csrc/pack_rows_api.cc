@@ -178,6 +178,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkGatherRows, rlk::GatherRowsFfi,
                                   .Attr<int64_t>("fill_bits"),
                               RLK_FFI_TRAITS);
 
+namespace rlk {
+namespace {
+
+// The C entries' ten field pointers, in PackInfoOut's order.
+PackInfoOut InfoOutOf(void* cu_seqlens, void* seq_lens, void* total,
+                      void* max_seqlen, void* num_dropped, void* segment_ids,
+                      void* positions, void* valid, void* gather_map,
+                      void* scatter_map) {
+  auto i32 = [](void* p) { return static_cast<int32_t*>(p); };
+  return PackInfoOut{i32(cu_seqlens), i32(seq_lens), i32(total),
+                     i32(max_seqlen), i32(num_dropped), i32(segment_ids),
+                     i32(positions), static_cast<uint8_t*>(valid),
+                     i32(gather_map), i32(scatter_map)};
+}
+
+}  // namespace
+}  // namespace rlk
+
 extern "C" {
 
 // The torch bridge's entries: launch on `stream` (torch's current stream).
@@ -187,21 +205,22 @@ int64_t rlk_pack_info_scratch_bytes(int64_t size) {
   return rlk::PackInfoScratchBytes(size);
 }
 
-const char* rlk_pack_info(void* stream, const void* active, int64_t n_seq,
-                          int64_t width, int64_t capacity, void* scratch,
-                          void* cu_seqlens, void* seq_lens, void* total,
-                          void* max_seqlen, void* num_dropped,
-                          void* segment_ids, void* positions, void* valid,
-                          void* gather_map, void* scatter_map) {
+const char* rlk_pack_rows(void* stream, const void* src, const void* active,
+                          int64_t n_seq, int64_t width, int64_t capacity,
+                          int64_t row_bytes, int64_t elem_bytes,
+                          uint64_t fill_bits, void* scratch, void* cu_seqlens,
+                          void* seq_lens, void* total, void* max_seqlen,
+                          void* num_dropped, void* segment_ids,
+                          void* positions, void* valid, void* gather_map,
+                          void* scatter_map, void* dst) {
   using namespace rlk;
-  auto i32 = [](void* p) { return static_cast<int32_t*>(p); };
-  PackInfoOut out{i32(cu_seqlens), i32(seq_lens), i32(total), i32(max_seqlen),
-                  i32(num_dropped), i32(segment_ids), i32(positions),
-                  static_cast<uint8_t*>(valid), i32(gather_map),
-                  i32(scatter_map)};
-  return ErrorOf(PackInfoFromMask(static_cast<cudaStream_t>(stream),
-                                  static_cast<const uint8_t*>(active), n_seq,
-                                  width, capacity, scratch, out));
+  const PackInfoOut out =
+      InfoOutOf(cu_seqlens, seq_lens, total, max_seqlen, num_dropped,
+                segment_ids, positions, valid, gather_map, scatter_map);
+  return ErrorOf(PackRows(static_cast<cudaStream_t>(stream), src,
+                          static_cast<const uint8_t*>(active), n_seq, width,
+                          capacity, row_bytes, elem_bytes, fill_bits, scratch,
+                          out, dst));
 }
 
 const char* rlk_gather_rows(void* stream, const void* src, const void* idx,
