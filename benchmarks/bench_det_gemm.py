@@ -85,16 +85,6 @@ def run(smoke: bool) -> list[Row]:
       ms = harness.time_torch(torch.matmul, torch_pairs)
       peer = flops / ms / 1e9
       rows.append(harness.progress(Row(BENCH, case, "cublas", ms, tflops=peer)))
-      if is_big and "cuda_ffi" in _rlk_impls():
-        # The same CUTLASS kernels in cuBLAS's own harness (the torch loop,
-        # launched on torch's stream): kernel against kernel. (Decode
-        # products are shorter than a call's host cost, so not there.)
-        import rlk_torch_bridge as rtb
-        ms = harness.time_torch(functools.partial(
-            rtb.det_gemm, implementation="cuda_ffi"), torch_pairs)
-        rows.append(harness.progress(Row(
-            BENCH, case, "rlk_cuda_ffi_torch_loop", ms, tflops=flops / ms / 1e9,
-            note=f"{flops / ms / 1e9 / peer:.2f}x cublas, same loop")))
     rows.append(harness.timed_row(
         BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b), pairs, flops=flops))
     for impl in _rlk_impls():

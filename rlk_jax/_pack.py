@@ -261,7 +261,7 @@ TABLE = _dispatch.register_reference_and_pallas(
         "CUDA kernels through XLA FFI (SM90 library): pack from a mask of up "
         "to 65536 positions in one kernel (rows and metadata), else the "
         "metadata kernels and the row gather; the torch bridge launches the "
-        "metadata and gather kernels without a JAX call")],
+        "same kernels without a JAX call")],
 )
 
 
