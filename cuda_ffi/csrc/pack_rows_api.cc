@@ -38,12 +38,21 @@ PackInfoOut InfoOut(Field& cu, Field& seq_lens, Field& total, Field& max_seqlen,
                      i32(gather_map), i32(scatter_map)};
 }
 
-// The scratch result must hold PackInfoScratchBytes of the mask.
-ffi::Error CheckScratch(Field& scratch, int64_t size, const char* who) {
-  if (static_cast<int64_t>(scratch->size_bytes()) < PackInfoScratchBytes(size)) {
+// What both pack handlers need of their mask and scratch: a bool mask of
+// n_seq * width elements, and PackInfoScratchBytes of it in the scratch.
+ffi::Error CheckMask(ffi::AnyBuffer& active, Field& scratch, int64_t n_seq,
+                     int64_t width, const char* who) {
+  if (active.element_type() != ffi::PRED ||
+      static_cast<int64_t>(active.element_count()) != n_seq * width) {
+    return ffi::Error::InvalidArgument(
+        std::string(who) + ": the mask must be bool with n_seq * width = " +
+        std::to_string(n_seq * width) + " elements");
+  }
+  const int64_t needed = PackInfoScratchBytes(n_seq * width);
+  if (static_cast<int64_t>(scratch->size_bytes()) < needed) {
     return ffi::Error::InvalidArgument(
         std::string(who) + ": the scratch result needs " +
-        std::to_string(PackInfoScratchBytes(size)) + " bytes, got " +
+        std::to_string(needed) + " bytes, got " +
         std::to_string(scratch->size_bytes()));
   }
   return ffi::Error::Success();
@@ -55,13 +64,8 @@ ffi::Error PackInfoFfi(cudaStream_t stream, ffi::AnyBuffer active, Field cu,
                        Field valid, Field gather_map, Field scatter_map,
                        Field scratch, int64_t n_seq, int64_t width,
                        int64_t capacity) {
-  if (active.element_type() != ffi::PRED ||
-      static_cast<int64_t>(active.element_count()) != n_seq * width) {
-    return ffi::Error::InvalidArgument(
-        "rlk cuda_ffi pack_info: the mask must be bool with n_seq * width "
-        "elements");
-  }
-  if (auto e = CheckScratch(scratch, n_seq * width, "rlk cuda_ffi pack_info");
+  if (auto e = CheckMask(active, scratch, n_seq, width,
+                         "rlk cuda_ffi pack_info");
       e.failure()) {
     return e;
   }
@@ -81,19 +85,18 @@ ffi::Error PackRowsFfi(cudaStream_t stream, ffi::AnyBuffer src,
                        Field valid, Field gather_map, Field scatter_map,
                        Field scratch, int64_t n_seq, int64_t width,
                        int64_t capacity, int64_t fill_bits) {
+  if (auto e = CheckMask(active, scratch, n_seq, width,
+                         "rlk cuda_ffi pack_rows");
+      e.failure()) {
+    return e;
+  }
   auto ds = src.dimensions(), dd = dst->dimensions();
-  if (active.element_type() != ffi::PRED ||
-      static_cast<int64_t>(active.element_count()) != n_seq * width ||
-      ds.size() != 2 || dd.size() != 2 || ds[0] != n_seq * width ||
+  if (ds.size() != 2 || dd.size() != 2 || ds[0] != n_seq * width ||
       ds[1] != dd[1] || dd[0] != capacity ||
       src.element_type() != dst->element_type()) {
     return ffi::Error::InvalidArgument(
-        "rlk cuda_ffi pack_rows: src [n_seq * width, D], a bool mask of "
-        "n_seq * width elements and dst [capacity, D] of src's dtype expected");
-  }
-  if (auto e = CheckScratch(scratch, n_seq * width, "rlk cuda_ffi pack_rows");
-      e.failure()) {
-    return e;
+        "rlk cuda_ffi pack_rows: src [n_seq * width, D] and dst [capacity, D] "
+        "of src's dtype expected");
   }
   const int64_t elem_bytes = ffi::ByteWidth(src.element_type());
   const char* error = ErrorOf(PackRows(
