@@ -2,10 +2,13 @@
 
     python -m benchmarks.bench_det_gemm [--smoke] [--csv out.csv] [--gemm_sweep]
 
-Competitors (stable names): ``cublas`` (torch.matmul, bf16, TF32 off),
-``xla_dot`` (``jnp.dot``, bf16 out), ``rlk_<impl>`` for each available rlk
-implementation; backward: ``xla_dot_vjp`` vs ``rlk_<impl>_vjp`` (dA and dB).
-The note gives each rlk figure as a fraction of cuBLAS's TFLOP/s.
+Competitors (stable names): ``cublas`` (torch.matmul, bf16, TF32 off;
+decode products replayed from a CUDA graph), ``xla_dot`` (``jnp.dot``, bf16
+out), ``rlk_<impl>`` for each available rlk implementation; backward:
+``cublas_pair`` (torch's ``g @ b.T`` and ``a.T @ g``), ``xla_dot_vjp`` and
+``rlk_<impl>_vjp`` (dA and dB). The competitors of a case are timed in
+interleaved rounds. The note gives each rlk figure as a fraction of cuBLAS's
+TFLOP/s (backward: time over the cuBLAS pair's).
 """
 
 from __future__ import annotations
@@ -34,13 +37,19 @@ BENCH = "det_gemm"
 # one), so one host dispatch is spread thin and the figure is device time,
 # as cuBLAS's is in the torch loop.
 DECODE_SETS = 16
-# The M=4096 products: this many calls a jitted program, each with its own A
-# and one shared weight. A jitted execution leaves the GPU idle 20-70 us
-# beyond its kernels on the H100 (the CUPTI trace of
-# scripts/profile_jit_kernels.py); cuBLAS in the torch loop pays no such
-# cost, so with 2 calls a program, as before, XLA and rlk carried ~10-20 us
-# of it per 190-290 us product.
-BIG_SETS = 8
+# The M=4096 products: each jitted program runs enough calls (each with its
+# own A, one shared weight) to last about PROGRAM_MS at cuBLAS's pace, and at
+# least MIN_BIG_SETS. A jitted execution leaves the GPU idle 20-70 us beyond
+# its kernels on the H100 (the CUPTI trace of scripts/profile_jit_kernels.py);
+# cuBLAS in the torch loop pays no such cost, so with 2 calls a program, as
+# once, XLA and rlk carried ~10-20 us of it per 190-290 us product.
+MIN_BIG_SETS = 8
+PROGRAM_MS = 4.0
+CUBLAS_TFLOPS = 700.0  # the H100's, to size programs only
+
+
+def _big_sets(flops: int) -> int:
+  return max(MIN_BIG_SETS, -(-int(PROGRAM_MS * CUBLAS_TFLOPS * 1e9) // flops))
 
 
 def _cases(smoke: bool):
@@ -66,7 +75,8 @@ def run(smoke: bool) -> list[Row]:
   torch = harness.torch_or_none()
   for name, m, k, n in big + decode:
     is_big = (name, m, k, n) in big
-    sets = (2 if smoke else BIG_SETS) if is_big else DECODE_SETS
+    sets = ((2 if smoke else _big_sets(2 * m * k * n)) if is_big
+            else DECODE_SETS)
     keys = jax.random.split(jax.random.key(m * 7 + k + n), 2 * sets)
     a_sets = [jax.random.normal(kk, (m, k), jnp.float32).astype(jnp.bfloat16)
               for kk in keys[:sets]]
@@ -77,43 +87,58 @@ def run(smoke: bool) -> list[Row]:
     b = b_sets[0]
     flops = 2 * m * k * n
     case = f"{name} M={m} K={k} N={n} bf16"
-    peer = None
-    if torch is not None and harness.on_gpu():
+    impls = [i for i in _rlk_impls() if smoke or i != "xla"]  # "xla": the
+    # K-loop oracle, minutes per call at these sizes
+    on_gpu = torch is not None and harness.on_gpu()
+    # Every competitor of a case is timed in the same rounds
+    # (harness.time_interleaved): the card is power-capped, and timing them
+    # one after another favoured whichever ran first.
+    competitors = {}
+    if on_gpu:
       torch.backends.cuda.matmul.allow_tf32 = False
       torch_pairs = [(torch.from_dlpack(a), torch.from_dlpack(bb))
                      for a, bb in pairs]
-      ms = harness.time_torch(torch.matmul, torch_pairs)
-      peer = flops / ms / 1e9
-      rows.append(harness.progress(Row(BENCH, case, "cublas", ms, tflops=peer)))
-    rows.append(harness.timed_row(
-        BENCH, case, "xla_dot", lambda a, b: jnp.dot(a, b), pairs, flops=flops))
-    for impl in _rlk_impls():
-      if impl == "xla" and not smoke:
-        continue  # the K-loop oracle: minutes per call at these sizes
-      row = harness.timed_row(
-          BENCH, case, f"rlk_{impl}",
-          functools.partial(rlk_jax.det_gemm, implementation=impl),
-          pairs, flops=flops)
-      if peer and row.tflops:
+      # Decode products are captured into a CUDA graph, as XLA's command
+      # buffers capture ours: timed in a torch loop they measure the host.
+      competitors["cublas"] = lambda: harness.torch_batch(
+          torch.matmul, torch_pairs, graph=not is_big)
+    competitors["xla_dot"] = lambda: harness.jax_batch(
+        lambda a, b: jnp.dot(a, b), pairs)
+    for impl in impls:
+      competitors[f"rlk_{impl}"] = lambda impl=impl: harness.jax_batch(
+          functools.partial(rlk_jax.det_gemm, implementation=impl), pairs)
+    case_rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops)
+    peer = next((r.tflops for r in case_rows if r.implementation == "cublas"),
+                None)
+    for row in case_rows:
+      if row.implementation.startswith("rlk_") and peer and row.tflops:
         row.note = f"{row.tflops / peer:.2f}x cublas"
-      if impl == "cuda_ffi":
+      if row.implementation == "rlk_cuda_ffi":
         import cuda_ffi  # only where it is available
         row.note += f" config {cuda_ffi.chosen_config(m, n)}"
-      rows.append(row)
+    rows += case_rows
     if is_big:
       g_sets = [a @ b for a in a_sets]  # cotangents shaped like the output
-      rows.append(harness.timed_row(
-          BENCH, case + " bwd", "xla_dot_vjp",
-          lambda a, b, g: jax.vjp(jnp.dot, a, b)[1](g),
-          [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
-      for impl in _rlk_impls():
-        if impl == "xla" and not smoke:
-          continue
-        rows.append(harness.timed_row(
-            BENCH, case + " bwd", f"rlk_{impl}_vjp",
-            lambda a, b, g, impl=impl: jax.vjp(functools.partial(
-                rlk_jax.det_gemm, implementation=impl), a, b)[1](g),
-            [(a, b, g) for a, g in zip(a_sets, g_sets)], flops=2 * flops))
+      triples = [(a, b, g) for a, g in zip(a_sets, g_sets)]
+      competitors = {}
+      if on_gpu:
+        torch_triples = [tuple(map(torch.from_dlpack, t)) for t in triples]
+        competitors["cublas_pair"] = lambda: harness.torch_batch(
+            lambda a, b, g: (g @ b.T, a.T @ g), torch_triples)
+      competitors["xla_dot_vjp"] = lambda: harness.jax_batch(
+          lambda a, b, g: jax.vjp(jnp.dot, a, b)[1](g), triples)
+      for impl in impls:
+        competitors[f"rlk_{impl}_vjp"] = lambda impl=impl: harness.jax_batch(
+            lambda a, b, g: jax.vjp(functools.partial(
+                rlk_jax.det_gemm, implementation=impl), a, b)[1](g), triples)
+      bwd_rows = harness.interleaved_rows(BENCH, case + " bwd", competitors,
+                                          flops=2 * flops)
+      pair = next((r.median_ms for r in bwd_rows
+                   if r.implementation == "cublas_pair"), None)
+      for row in bwd_rows:
+        if row.implementation.startswith("rlk_") and pair and row.median_ms:
+          row.note = f"{row.median_ms / pair:.2f}x cublas pair time"
+      rows += bwd_rows
     if SWEEP.value and "cuda_ffi" in _rlk_impls() and is_big:
       rows += _sweep(case, pairs, flops, peer)
     if SWEEP.value and harness.on_gpu():

@@ -81,30 +81,47 @@ def commit() -> str:
     return os.environ.get("RLK_COMMIT", "unknown")
 
 
+def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
+                     *, iters: int, repeats: int | None = None,
+                     warmup: int = 2) -> dict[str, float]:
+  """Median milliseconds per call of each implementation.
+
+  `batches[name] = (run_batch, calls)`: `run_batch(n)` enqueues n iterations
+  of `calls` calls each and blocks at the end. One sample of each
+  implementation per round, in an order rotated every round: on a
+  power-capped card (the H100 here drops from 1.9 to 1.3-1.5 GHz within a
+  second of large GEMMs) timing one implementation after another would hand
+  the later ones a hotter, slower card.
+  """
+  repeats = repeats or REPEATS.value
+  names = list(batches)
+  for name in names:
+    for _ in range(warmup):
+      batches[name][0](1)
+  samples = {name: [] for name in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      run_batch, calls = batches[name]
+      start = time.perf_counter()
+      run_batch(iters)
+      samples[name].append((time.perf_counter() - start) * 1e3 / iters / calls)
+  return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def time_batches(run_batch: Callable[[int], None], *, iters: int,
                  repeats: int | None = None, warmup: int = 2) -> float:
-  """Median milliseconds per call; `run_batch(i)` enqueues call i and returns
-  something to block on only when asked by `sync`."""
-  repeats = repeats or REPEATS.value
-  for i in range(warmup):
-    run_batch(i)
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    run_batch(iters)
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
+  """Median milliseconds per iteration of `run_batch(n)` (n iterations,
+  blocking at the end)."""
+  return time_interleaved({"": (run_batch, 1)}, iters=iters, repeats=repeats,
+                          warmup=warmup)[""]
 
 
-def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
-             repeats: int | None = None) -> float:
-  """Median device milliseconds per call of `fn`, over distinct `arg_sets`.
-
-  One jitted call runs `fn` on every arg set (one launch sequence back to
-  back, one host dispatch), so the figure is the device's time per call, not
-  the host's dispatch latency. Give every set its own buffers: identical
-  inputs would let XLA merge the calls.
-  """
+def jax_batch(fn: Callable, arg_sets: Sequence[tuple]):
+  """`(run_batch, calls)` for time_interleaved: one jitted call runs `fn` on
+  every arg set (one launch sequence back to back, one host dispatch), so
+  the figure is the device's time per call, not the host's dispatch
+  latency. Give every set its own buffers: identical inputs would let XLA
+  merge the calls."""
   many = jax.jit(lambda sets: [fn(*s) for s in sets])
   jax.block_until_ready(many(list(arg_sets)))  # compile
 
@@ -114,7 +131,20 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
       out = many(list(arg_sets))
     jax.block_until_ready(out)
 
-  return time_batches(batch, iters=iters, repeats=repeats) / len(arg_sets)
+  return batch, len(arg_sets)
+
+
+def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
+             repeats: int | None = None) -> float:
+  """Median device milliseconds per call of `fn`, over distinct `arg_sets`
+  (jax_batch)."""
+  return time_interleaved({"": jax_batch(fn, arg_sets)}, iters=iters,
+                          repeats=repeats)[""]
+
+
+def _failed_row(benchmark, case, implementation, e: Exception) -> Row:
+  return Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}"
+             f": {str(e).splitlines()[0][:120] if str(e) else ''}")
 
 
 def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
@@ -125,14 +155,36 @@ def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
   try:
     ms = time_jax(fn, arg_sets, iters=iters)
   except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
-    row = Row(benchmark, case, implementation, note=f"FAILED: {type(e).__name__}: "
-              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+    row = _failed_row(benchmark, case, implementation, e)
   else:
     row = Row(benchmark, case, implementation, ms,
               nbytes / ms / 1e6 if nbytes else None, floor_ms, note=note,
               tflops=flops / ms / 1e9 if flops else None)
   row.peak_mem_mb = peak_mem_mb
   return progress(row)
+
+
+def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
+                     flops=None, iters: int = 10) -> list[Row]:
+  """Rows for competitors timed against each other by time_interleaved.
+  `competitors[name]()` builds its `(run_batch, calls)` (jax_batch,
+  torch_batch); one that fails to build is a row with the error."""
+  batches, failed = {}, {}
+  for name, make in competitors.items():
+    try:
+      batches[name] = make()
+    except Exception as e:  # noqa: BLE001 - reported in the table
+      failed[name] = _failed_row(benchmark, case, name, e)
+  times = time_interleaved(batches, iters=iters) if batches else {}
+  rows = []
+  for name in competitors:
+    if name in failed:
+      rows.append(progress(failed[name]))
+      continue
+    ms = times[name]
+    rows.append(progress(Row(benchmark, case, name, ms,
+                             tflops=flops / ms / 1e9 if flops else None)))
+  return rows
 
 
 def progress(row: Row) -> Row:
@@ -145,19 +197,44 @@ def progress(row: Row) -> Row:
   return row
 
 
-def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
-               repeats: int | None = None) -> float:
+def torch_batch(fn: Callable, arg_sets: Sequence[tuple], *,
+                graph: bool = False):
+  """`(run_batch, calls)` for time_interleaved: `fn` over the arg sets in
+  turn. graph=True captures one call per set into a CUDA graph and replays
+  it, for calls too short to outrun the host's launch cost (a decode
+  product's few microseconds), as XLA's command buffers replay ours."""
   import torch
   sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
   fn(*arg_sets[0])
   sync()
+  if graph:
+    for s in arg_sets:  # warm up (handles, workspaces) outside the capture
+      fn(*s)
+    sync()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+      for s in arg_sets:
+        fn(*s)
+
+    def replay(n):
+      for _ in range(max(n, 1)):
+        g.replay()
+      sync()
+
+    return replay, len(arg_sets)
 
   def batch(n):
     for i in range(max(n, 1)):
       fn(*arg_sets[i % len(arg_sets)])
     sync()
 
-  return time_batches(batch, iters=iters, repeats=repeats)
+  return batch, 1
+
+
+def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,
+               repeats: int | None = None) -> float:
+  return time_interleaved({"": torch_batch(fn, arg_sets)}, iters=iters,
+                          repeats=repeats)[""]
 
 
 def write_csv(rows: Sequence[Row], path: str) -> None:

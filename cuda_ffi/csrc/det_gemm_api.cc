@@ -19,16 +19,24 @@ namespace ffi = xla::ffi;
 namespace rlk {
 
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
-  // The widest tiles that still keep the SMs busy: 128x256 once its tiles
-  // fill a wave; 64x128 for small M; 64x32 for decode only when 64x128 would
-  // leave more than half the SMs idle (H200: 4096->4096 at M=16 ran in 26 us
-  // with 64x32 vs 31 us with 64x128, but 4096->14336 at M=1 in 86-90 us vs
-  // 42 us). K is never split: that would change the bits.
+  // The widest tiles that still keep enough SMs busy: 128x256 once its
+  // tiles fill a wave. Below that the product streams its weight, and a CTA
+  // takes about the same time whatever its tile width (about 64 K steps,
+  // each a TMA round trip), so the widest ping-pong tile with at least
+  // kMinStreamingTiles tiles wins. Measured on the H100 with CUDA-graph
+  // replay, K=4096, M in {1, 16, 64}
+  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_variants_decode*):
+  //   N=14336, 4096: 64x128 (112 and 32 tiles) 15-25% faster than 64x32 at
+  //   M <= 16, within 3% at M = 64; N=2048: 64x64 (32 tiles) 20% faster
+  //   than 64x32 at M <= 16; N=1024: 64x32 (32 tiles) best at M = 64.
+  // K is never split: that would change the bits.
+  constexpr int64_t kMinStreamingTiles = 32;
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
   };
   if (tiles(128, 256) >= sm_count) return GemmConfig::kCooperative128x256;
-  if (2 * tiles(64, 128) >= sm_count) return GemmConfig::kPingpong64x128;
+  if (tiles(64, 128) >= kMinStreamingTiles) return GemmConfig::kPingpong64x128;
+  if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
   return GemmConfig::kPingpong64x32;
 }
 
@@ -93,7 +101,7 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
                   (long long)m, (long long)n, (long long)k);
     return buf;
   }
-  if (config < 0 || config > 3) {
+  if (config < 0 || config > 4) {
     std::snprintf(buf, sizeof buf, "rlk cuda_ffi det_gemm: unknown config %lld",
                   (long long)config);
     return buf;

@@ -39,8 +39,8 @@ enum class GemmConfig : int {
   kAuto = 0,
   kCooperative128x256 = 1,  // 2x1 cluster: the large-M projections
   kPingpong64x128 = 2,      // narrow tiles fill the SMs when M is small
-  kPingpong64x32 = 3,       // decode: enough N tiles to spread the weight
-                            // reads over every SM
+  kPingpong64x32 = 3,       // decode with few output columns: enough tiles
+  kPingpong64x64 = 4,       // to keep several SMs streaming the weight
 };
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
