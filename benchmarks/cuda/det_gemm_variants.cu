@@ -1,14 +1,15 @@
-// CUTLASS SM90 instantiations of the det_gemm forward that the library does
-// not ship, for timing against the shipped one and cuBLAS on the M=4096
-// projections (H100 experiment, not part of the library). Every variant
-// walks K in 64-wide tiles, in order, into one f32 accumulator, so all of
-// them must give the library's bits; det_gemm_variants.py checks that before
-// it times anything. One shared library per variant (they compile in
-// parallel), each exporting the same two C symbols:
+// CUTLASS SM90 instantiations of the det_gemm forward, shipped or not, for
+// timing against each other and cuBLAS (H100 experiment, not part of the
+// library). Every variant walks K in order into one f32 accumulator, so all
+// of them must give the library's bits; det_gemm_variants.py checks that
+// before it times anything. One shared library per variant (they compile in
+// parallel), each exporting the same three C symbols:
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
 //     -Xcompiler -fPIC -shared -DRLK_VARIANT=<n> -I cuda_ffi/csrc \
 //     -isystem <cutlass>/include -isystem <cutlass>/tools/util/include \
-//     benchmarks/cuda/det_gemm_variants.cu -o variant_<n>.so
+//     benchmarks/cuda/det_gemm_variants.cu -o <dir>/variant_<n>.so
+// (n = 0..26, see Entry below), then
+//   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
 
@@ -32,138 +33,71 @@ struct Variant {
                          cutlass::epilogue::TmaWarpSpecializedCooperative>>;
 };
 
-// kTransposeB: B stored [N, K] (the dA layout) instead of [K, N].
-#if RLK_VARIANT == 0
-constexpr const char* kName = "coop128x256_c2x1 (shipped)";  // its epilogue:
-// 128x32 until 2026-11-22, 128x128 since
-constexpr bool kTransposeB = false;
-using Config = Cooperative128x256;
-#elif RLK_VARIANT == 1
-constexpr const char* kName = "coop128x256_c1x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 256, 1, 2, false>;
-#elif RLK_VARIANT == 2
-constexpr const char* kName = "coop128x256_c1x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 256, 1, 1, false>;
-#elif RLK_VARIANT == 3
-constexpr const char* kName = "coop256x128_c1x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<256, 128, 1, 2, false>;
-#elif RLK_VARIANT == 4
-constexpr const char* kName = "coop256x128_c2x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<256, 128, 2, 1, false>;
-#elif RLK_VARIANT == 5
-constexpr const char* kName = "pp128x128_c1x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 128, 1, 2, true>;
-#elif RLK_VARIANT == 6
-constexpr const char* kName = "pp128x128_c2x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 128, 2, 1, true>;
-#elif RLK_VARIANT == 7
-constexpr const char* kName = "pp128x128_c1x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 128, 1, 1, true>;
-#elif RLK_VARIANT == 8
-constexpr const char* kName = "coop128x256_c2x1_nosmem_epi";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 256, 2, 1, false, true>;
-#elif RLK_VARIANT == 9
-constexpr const char* kName = "coop128x256_c2x1 B[N,K]";
-constexpr bool kTransposeB = true;
-using Config = Cooperative128x256;
-#elif RLK_VARIANT == 10
-constexpr const char* kName = "coop128x128_c2x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 128, 2, 1, false>;
-#elif RLK_VARIANT == 11
-constexpr const char* kName = "pp64x256_c1x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 256, 1, 2, true>;
-#elif RLK_VARIANT == 12
-constexpr const char* kName = "coop128x256_c2x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 256, 2, 2, false>;
-#elif RLK_VARIANT == 13
-constexpr const char* kName = "coop256x128_c2x2";
-constexpr bool kTransposeB = false;
-using Config = Variant<256, 128, 2, 2, false>;
-#elif RLK_VARIANT == 14
-constexpr const char* kName = "coop128x256_c4x1";
-constexpr bool kTransposeB = false;
-using Config = Variant<128, 256, 4, 1, false>;
-#elif RLK_VARIANT == 15
-constexpr const char* kName = "coop256x128_c1x4";
-constexpr bool kTransposeB = false;
-using Config = Variant<256, 128, 1, 4, false>;
-#elif RLK_VARIANT == 16
-constexpr const char* kName = "coop128x256_c2x1_epi128x64";
-constexpr bool kTransposeB = false;
-struct Config : Cooperative128x256 {
+template <int kRows, int kColumns, class Base>
+struct WithEpilogue : Base {
   template <class>
-  using EpilogueTile = Shape<_128, _64>;
+  using EpilogueTile = Shape<Int<kRows>, Int<kColumns>>;
 };
-#elif RLK_VARIANT == 17
-constexpr const char* kName = "pp64x32 (shipped decode)";
-constexpr bool kTransposeB = false;
-using Config = Pingpong64x32;
-#elif RLK_VARIANT == 18
-constexpr const char* kName = "pp64x32_k128";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 32, 1, 1, true, false, 128>;
-#elif RLK_VARIANT == 19
-constexpr const char* kName = "pp64x16";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 16, 1, 1, true>;
-#elif RLK_VARIANT == 20
-constexpr const char* kName = "pp64x64";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 64, 1, 1, true>;
-#elif RLK_VARIANT == 21
-constexpr const char* kName = "pp64x128 (shipped small M)";
-constexpr bool kTransposeB = false;
-using Config = Pingpong64x128;
-#elif RLK_VARIANT == 22
-constexpr const char* kName = "pp64x64_k128";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 64, 1, 1, true, false, 128>;
-#elif RLK_VARIANT == 23
-constexpr const char* kName = "pp64x16_k128";
-constexpr bool kTransposeB = false;
-using Config = Variant<64, 16, 1, 1, true, false, 128>;
-#elif RLK_VARIANT == 24  // the shipped config since 2026-11-22
-constexpr const char* kName = "coop128x256_c2x1_epi128x128";
-constexpr bool kTransposeB = false;
-struct Config : Cooperative128x256 {
-  template <class>
-  using EpilogueTile = Shape<_128, _128>;
-};
-#elif RLK_VARIANT == 25
-constexpr const char* kName = "coop256x128_c1x2_epi128x64";
-constexpr bool kTransposeB = false;
-struct Config : Variant<256, 128, 1, 2, false> {
-  template <class>
-  using EpilogueTile = Shape<_128, _64>;
-};
-#elif RLK_VARIANT == 26
-constexpr const char* kName = "coop128x256_c1x2_epi128x64";
-constexpr bool kTransposeB = false;
-struct Config : Variant<128, 256, 1, 2, false> {
-  template <class>
-  using EpilogueTile = Shape<_128, _64>;
-};
-#else
-#error "unknown RLK_VARIANT"
-#endif
+
+// Variant n: its name, whether B is stored [N, K] (the dA layout) instead of
+// [K, N], and its config. Only the one compiled (RLK_VARIANT) instantiates
+// a kernel.
+template <int n>
+struct Entry;
+#pragma nv_diag_suppress 177  // the entries not compiled go unreferenced
+#define RLK_ENTRY(n, name, transpose_b, ...)                 \
+  template <>                                                \
+  struct Entry<n> {                                          \
+    static constexpr const char* kName = name;               \
+    static constexpr bool kTransposeB = transpose_b;         \
+    using Config = __VA_ARGS__;                              \
+  };
+// The shipped config's epilogue was 128x32 until 2026-11-22, 128x128 since
+// (as variant 24).
+RLK_ENTRY(0, "coop128x256_c2x1 (shipped)", false, Cooperative128x256)
+RLK_ENTRY(1, "coop128x256_c1x2", false, Variant<128, 256, 1, 2, false>)
+RLK_ENTRY(2, "coop128x256_c1x1", false, Variant<128, 256, 1, 1, false>)
+RLK_ENTRY(3, "coop256x128_c1x2", false, Variant<256, 128, 1, 2, false>)
+RLK_ENTRY(4, "coop256x128_c2x1", false, Variant<256, 128, 2, 1, false>)
+RLK_ENTRY(5, "pp128x128_c1x2", false, Variant<128, 128, 1, 2, true>)
+RLK_ENTRY(6, "pp128x128_c2x1", false, Variant<128, 128, 2, 1, true>)
+RLK_ENTRY(7, "pp128x128_c1x1", false, Variant<128, 128, 1, 1, true>)
+RLK_ENTRY(8, "coop128x256_c2x1_nosmem_epi", false,
+          Variant<128, 256, 2, 1, false, true>)
+RLK_ENTRY(9, "coop128x256_c2x1 B[N,K]", true, Cooperative128x256)
+RLK_ENTRY(10, "coop128x128_c2x1", false, Variant<128, 128, 2, 1, false>)
+RLK_ENTRY(11, "pp64x256_c1x2", false, Variant<64, 256, 1, 2, true>)
+RLK_ENTRY(12, "coop128x256_c2x2", false, Variant<128, 256, 2, 2, false>)
+RLK_ENTRY(13, "coop256x128_c2x2", false, Variant<256, 128, 2, 2, false>)
+RLK_ENTRY(14, "coop128x256_c4x1", false, Variant<128, 256, 4, 1, false>)
+RLK_ENTRY(15, "coop256x128_c1x4", false, Variant<256, 128, 1, 4, false>)
+RLK_ENTRY(16, "coop128x256_c2x1_epi128x64", false,
+          WithEpilogue<128, 64, Cooperative128x256>)
+RLK_ENTRY(17, "pp64x32 (shipped decode)", false, Pingpong64x32)
+RLK_ENTRY(18, "pp64x32_k128", false, Variant<64, 32, 1, 1, true, false, 128>)
+RLK_ENTRY(19, "pp64x16", false, Variant<64, 16, 1, 1, true>)
+RLK_ENTRY(20, "pp64x64", false, Variant<64, 64, 1, 1, true>)
+RLK_ENTRY(21, "pp64x128 (shipped small M)", false, Pingpong64x128)
+RLK_ENTRY(22, "pp64x64_k128", false, Variant<64, 64, 1, 1, true, false, 128>)
+RLK_ENTRY(23, "pp64x16_k128", false, Variant<64, 16, 1, 1, true, false, 128>)
+RLK_ENTRY(24, "coop128x256_c2x1_epi128x128", false,
+          WithEpilogue<128, 128, Cooperative128x256>)
+RLK_ENTRY(25, "coop256x128_c1x2_epi128x64", false,
+          WithEpilogue<128, 64, Variant<256, 128, 1, 2, false>>)
+RLK_ENTRY(26, "coop128x256_c1x2_epi128x64", false,
+          WithEpilogue<128, 64, Variant<128, 256, 1, 2, false>>)
+#undef RLK_ENTRY
+
+using Chosen = Entry<RLK_VARIANT>;
 
 }  // namespace
 }  // namespace rlk
 
-extern "C" const char* rlk_variant_name() { return rlk::kName; }
+extern "C" const char* rlk_variant_name() { return rlk::Chosen::kName; }
 
-extern "C" int rlk_variant_transpose_b() { return rlk::kTransposeB ? 1 : 0; }
+extern "C" int rlk_variant_transpose_b() {
+  return rlk::Chosen::kTransposeB ? 1 : 0;
+}
 
 // Returns 0, or -1 with the reason in *message. c == nullptr: a workspace
 // query only. swizzle, raster: GemmProblem's tile order (0, 0: CUTLASS's).
@@ -176,7 +110,8 @@ extern "C" int rlk_variant_run(const void* a, const void* b, void* c,
   rlk::GemmProblem p{a, b, c, m, n, k, sm_count, workspace, workspace_bytes,
                      stream, swizzle, raster};
   rlk::LaunchStatus s =
-      rlk::Run<rlk::Gemm<false, rlk::kTransposeB, false, rlk::Config>>(
+      rlk::Run<rlk::Gemm<false, rlk::Chosen::kTransposeB, false,
+                        rlk::Chosen::Config>>(
           p, workspace_needed);
   if (!s.ok) {
     *message = s.message;
