@@ -53,8 +53,9 @@ def main(names):
                                     competitors, flops=flops)
     print(f"\n{name} ({sets} calls a program or loop)")
     for r in rows:
-      print(f"  {r.implementation:22s} {r.median_ms:.4f} ms "
-            f"{r.tflops:6.1f} TFLOP/s")
+      print(f"  {r.implementation:22s} " + (
+          f"{r.median_ms:.4f} ms {r.tflops:6.1f} TFLOP/s" if r.median_ms
+          else r.note))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ experiment, not part of the library).
     python benchmarks/cuda/det_gemm_variants.py <dir with variant_*.so> \
         [variant indices, e.g. 0,1,12] [shapes, e.g. gate_up,lm_head]
 
-Every variant must give the shipped instantiation's bits on every shape
-before it is timed (they all walk K in the same 64-wide tiles, in order).
-Timing: CUDA events around CALLS calls that rotate over SETS distinct A
-operands (one shared weight, as the library benchmark), ROUNDS rounds with
-the order of the implementations rotated each round, so that no variant
-always runs right after cuBLAS or always on a hotter card; the median round
-counts. The last lines are the table: TFLOP/s and the ratio to cuBLAS's per
+Every variant must give the bits of the first variant named (the shipped
+one, 0, unless told otherwise) on every shape before it is timed: they all
+walk K in order, k16 MMA after k16 MMA, into one f32 accumulator, whatever
+their K tile. Timing: CUDA events around CALLS calls that rotate over SETS
+distinct A operands (one shared weight, as the library benchmark), ROUNDS
+rounds in an order shuffled every round (seeded), so that no variant always
+runs on a hotter card or after the same neighbour; the median round counts. The last lines are the table: TFLOP/s and the ratio to cuBLAS's per
 shape, and the geometric mean over the five M=4096 projections.
 """
 
@@ -20,6 +20,7 @@ import ctypes
 import glob
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class Variant:
         ctypes.POINTER(ctypes.c_size_t),
         ctypes.POINTER(ctypes.c_char_p)]
     self.workspace = None
+    self.queried = set()
 
   def __call__(self, a, b, c, swizzle=0, raster=0):
     m, k = a.shape
@@ -66,21 +68,32 @@ class Variant:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     stream = torch.cuda.current_stream().cuda_stream
     need, msg = ctypes.c_size_t(0), ctypes.c_char_p()
-    if self.workspace is None:
+    key = (m, n, k, swizzle, raster)
+    if key not in self.queried:  # the workspace this problem needs
       rc = self.lib.rlk_variant_run(a.data_ptr(), b.data_ptr(), None, m, n, k,
-                                    sms, None, 0, stream, 0, 0,
-                                    ctypes.byref(need),
-                                    ctypes.byref(msg))
+                                    sms, None, 0, stream, swizzle, raster,
+                                    ctypes.byref(need), ctypes.byref(msg))
       if rc:
         raise RuntimeError(f"{self.name}: {msg.value.decode()}")
-      self.workspace = torch.empty(max(need.value, 1), dtype=torch.uint8,
-                                   device="cuda")
+      self.queried.add(key)
+      if self.workspace is None or self.workspace.numel() < need.value:
+        self.workspace = torch.empty(max(need.value, 1), dtype=torch.uint8,
+                                     device="cuda")
     rc = self.lib.rlk_variant_run(
         a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, sms,
         self.workspace.data_ptr(), self.workspace.numel(), stream, swizzle,
         raster, ctypes.byref(need), ctypes.byref(msg))
     if rc:
       raise RuntimeError(f"{self.name}: {msg.value.decode()}")
+
+
+def round_orders(names: list[str]):
+  """A shuffled order of the implementations per round (seeded)."""
+  rng = random.Random(0)
+  for _ in range(ROUNDS):
+    order = list(names)
+    rng.shuffle(order)
+    yield order
 
 
 def time_rounds(impls: dict, sets, c) -> dict[str, tuple]:
@@ -92,8 +105,7 @@ def time_rounds(impls: dict, sets, c) -> dict[str, tuple]:
     for a, b in sets[:2]:
       impls[fn_name](a, b, c)
   torch.cuda.synchronize()
-  for r in range(ROUNDS):
-    order = names[r % len(names):] + names[:r % len(names)]
+  for order in round_orders(names):
     for name in order:
       fn = impls[name]
       start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
@@ -124,8 +136,7 @@ def time_graph_rounds(impls: dict, sets, outs) -> dict[str, tuple]:
     graphs[name] = g
   names = list(impls)
   samples = {n: [] for n in names}
-  for r in range(ROUNDS):
-    order = names[r % len(names):] + names[:r % len(names)]
+  for order in round_orders(names):
     for name in order:
       start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
           enable_timing=True)

@@ -18,23 +18,31 @@ namespace ffi = xla::ffi;
 
 namespace rlk {
 
+// The rows of a decode step (the streaming rule below was measured there).
+constexpr int64_t kMaxDecodeRows = 64;
+
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
-  // The widest tiles that still keep enough SMs busy: 128x256 once its
-  // tiles fill a wave. Below that the product streams its weight, and a CTA
-  // takes about the same time whatever its tile width (about 64 K steps,
-  // each a TMA round trip), so the widest ping-pong tile with at least
-  // kMinStreamingTiles tiles wins. Measured on the H100 with CUDA-graph
-  // replay, K=4096, M in {1, 16, 64}
-  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_variants_decode*):
-  //   N=14336, 4096: 64x128 (112 and 32 tiles) 15-25% faster than 64x32 at
-  //   M <= 16, within 3% at M = 64; N=2048: 64x64 (32 tiles) 20% faster
-  //   than 64x32 at M <= 16; N=1024: 64x32 (32 tiles) best at M = 64.
-  // K is never split: that would change the bits.
-  constexpr int64_t kMinStreamingTiles = 32;
+  // 128x256 once its tiles fill a wave. K is never split: that would change
+  // the bits.
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
   };
   if (tiles(128, 256) >= sm_count) return GemmConfig::kCooperative128x256;
+  if (m > kMaxDecodeRows) {
+    // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
+    return 2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
+                                          : GemmConfig::kPingpong64x32;
+  }
+  // Decode rows stream the weight, and a CTA takes about the same time
+  // whatever its tile width (64 K steps, each a TMA round trip), so the
+  // widest ping-pong tile with at least kMinStreamingTiles tiles wins.
+  // Measured on the H100 with CUDA-graph replay, K=4096, M in {1, 16, 64}
+  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_variants_decode*):
+  // at M <= 16, 64x128 took 15-40% less time than 64x32 at N=4096 and
+  // 14336, and 64x64 18% less at N=2048. At M = 64 the tile this rule picks
+  // came within 4% of the fastest of the three. At N=1024 it keeps 64x32,
+  // though 64x64 took 4-17% less time at M <= 16.
+  constexpr int64_t kMinStreamingTiles = 32;
   if (tiles(64, 128) >= kMinStreamingTiles) return GemmConfig::kPingpong64x128;
   if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
   return GemmConfig::kPingpong64x32;
@@ -266,7 +274,8 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
   return static_cast<int64_t>(needed);
 }
 
-// The instantiation an auto call picks on the current device (1 or 2), so
+// The instantiation an auto call picks on the current device (a GemmConfig
+// code, 1-4), so
 // tests and benchmarks can name what ran.
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
   int device = 0;

@@ -29,9 +29,10 @@ struct Cooperative128x256 {
   using Cluster = Shape<_2, _1, _1>;
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  // Epilogue subtiles of 128 rows x 256 bytes (128 bf16 columns) instead of
-  // CUTLASS's 128x32: a quarter of the store rounds between the mainloops
-  // of two tiles, for one mainloop stage fewer (3 of 48 KB, not 4). The
+  // Epilogue subtiles of 128 rows x 256 bytes (128 bf16 or 64 f32 columns)
+  // instead of CUTLASS's 128x32: a quarter (f32: half) of the store rounds
+  // between the mainloops of two tiles, for one mainloop stage fewer (3 of
+  // 48 KB, not 4). The
   // tensor cores idle through a cooperative epilogue; on the H100 this ran
   // the five M=4096 projections 0.3-2.5% faster in interleaved rounds
   // (benchmarks/cuda/det_gemm_variants.py; 128x64 gained about half).

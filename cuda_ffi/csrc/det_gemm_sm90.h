@@ -38,7 +38,7 @@ struct GemmProblem {
 enum class GemmConfig : int {
   kAuto = 0,
   kCooperative128x256 = 1,  // 2x1 cluster: the large-M projections
-  kPingpong64x128 = 2,      // narrow tiles fill the SMs when M is small
+  kPingpong64x128 = 2,      // small M: narrow tiles, more of them
   kPingpong64x32 = 3,       // decode with few output columns: enough tiles
   kPingpong64x64 = 4,       // to keep several SMs streaming the weight
 };
