@@ -1,17 +1,19 @@
 """Times the det_gemm_variants.cu instantiations against cuBLAS (H100
 experiment, not part of the library).
 
-    python benchmarks/cuda/det_gemm_variants.py <dir with variant_*.so> \
+    PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_variants.py <dir with variant_*.so> \
         [variant indices, e.g. 0,1,12] [shapes, e.g. gate_up,lm_head]
 
 Every variant must give the bits of the first variant named (the shipped
 one, 0, unless told otherwise) on every shape before it is timed: they all
 walk K in order, k16 MMA after k16 MMA, into one f32 accumulator, whatever
-their K tile. Timing: CUDA events around CALLS calls that rotate over SETS
-distinct A operands (one shared weight, as the library benchmark), ROUNDS
-rounds in an order shuffled every round (seeded), so that no variant always
-runs on a hotter card or after the same neighbour; the median round counts. The last lines are the table: TFLOP/s and the ratio to cuBLAS's per
-shape, and the geometric mean over the five M=4096 projections.
+their K tile. Timing: the library benchmark's interleaved rounds
+(benchmarks.harness.time_interleaved: ROUNDS rounds, the order rotated every
+round, the median counts); a sample is CALLS calls over SETS distinct A
+operands and one shared weight (M=4096), or REPLAYS replays of a CUDA graph
+of DECODE_SETS calls with their own weights (decode). The last lines are the
+table: TFLOP/s and the ratio to cuBLAS's per shape, and the geometric mean
+over the shapes run.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import ctypes
 import glob
 import math
 import os
-import random
-import statistics
 import subprocess
 import sys
 
 import torch
+
+from benchmarks import harness  # run with the repository root on PYTHONPATH
 
 SHAPES = {"qkv": (4096, 4096, 6144), "o": (4096, 4096, 4096),
           "gate_up": (4096, 4096, 28672), "down": (4096, 14336, 4096),
@@ -87,67 +89,15 @@ class Variant:
       raise RuntimeError(f"{self.name}: {msg.value.decode()}")
 
 
-def round_orders(names: list[str]):
-  """A shuffled order of the implementations per round (seeded)."""
-  rng = random.Random(0)
-  for _ in range(ROUNDS):
-    order = list(names)
-    rng.shuffle(order)
-    yield order
-
-
-def time_rounds(impls: dict, sets, c) -> dict[str, tuple]:
-  """(median, min, max) ms per call of each implementation, interleaved by
-  rounds."""
-  names = list(impls)
-  samples = {n: [] for n in names}
-  for fn_name in names:  # warm up: module load, workspace, clocks
-    for a, b in sets[:2]:
-      impls[fn_name](a, b, c)
-  torch.cuda.synchronize()
-  for order in round_orders(names):
-    for name in order:
-      fn = impls[name]
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-          enable_timing=True)
-      start.record()
-      for i in range(CALLS):
-        a, b = sets[i % len(sets)]
-        fn(a, b, c)
-      end.record()
-      end.synchronize()
-      samples[name].append(start.elapsed_time(end) / CALLS)
-  return {n: (statistics.median(s), min(s), max(s))
-          for n, s in samples.items()}
-
-
-def time_graph_rounds(impls: dict, sets, outs) -> dict[str, tuple]:
-  """(median, min, max) ms per call, each implementation's calls over all
-  sets replayed from one CUDA graph, interleaved by rounds."""
-  graphs = {}
-  for name, fn in impls.items():
-    for (a, b), c in zip(sets, outs):  # warm up outside the capture
-      fn(a, b, c)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-      for (a, b), c in zip(sets, outs):
-        fn(a, b, c)
-    graphs[name] = g
-  names = list(impls)
-  samples = {n: [] for n in names}
-  for order in round_orders(names):
-    for name in order:
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-          enable_timing=True)
-      start.record()
-      for _ in range(REPLAYS):
-        graphs[name].replay()
-      end.record()
-      end.synchronize()
-      samples[name].append(start.elapsed_time(end) / REPLAYS / len(sets))
-  return {n: (statistics.median(s), min(s), max(s))
-          for n, s in samples.items()}
+def time_interleaved(impls: dict, arg_sets, *, graph: bool) -> dict:
+  """Median ms per call of each implementation over `arg_sets` ((a, b, c)
+  each), all timed in the same rounds by the library benchmark's
+  harness.time_interleaved: CALLS calls a sample from a loop, or REPLAYS
+  replays of one CUDA graph of every set (graph=True, decode)."""
+  batches = {name: harness.torch_batch(fn, arg_sets, graph=graph)
+             for name, fn in impls.items()}
+  return harness.time_interleaved(batches, iters=REPLAYS if graph else CALLS,
+                                  repeats=ROUNDS)
 
 
 def gpu_state() -> str:
@@ -228,16 +178,17 @@ def main(argv):
     if decode:
       if any(v.transpose_b for v in variants):
         raise SystemExit("decode shapes time B [K, N] variants only")
-      outs = [torch.empty_like(c) for _ in a_sets]
-      times = time_graph_rounds(impls, list(zip(a_sets, b_sets)), outs)
+      times = time_interleaved(
+          impls, [(a, bb, torch.empty_like(c)) for a, bb in zip(a_sets, b_sets)],
+          graph=True)
     else:
-      times = time_rounds(impls, [(a, b) for a in a_sets], c)
+      times = time_interleaved(impls, [(a, b, c) for a in a_sets], graph=False)
     print(f"  after:  {gpu_state()}", flush=True)
     flops = 2 * m * k * n
-    for name, (ms, lo, hi) in times.items():
-      ratio = times["cublas"][0] / ms
+    for name, ms in times.items():
+      ratio = times["cublas"] / ms
       ratios.setdefault(name, {})[shape] = ratio
-      print(f"  {shape:8s} {name:34s} {ms:8.4f} ms [{lo:.4f}, {hi:.4f}] "
+      print(f"  {shape:8s} {name:34s} {ms:8.4f} ms "
             f"{flops / ms / 1e9:7.1f} TFLOP/s {ratio:5.3f}x cublas", flush=True)
     del a_sets, b_sets, b, bt, c, ref
     torch.cuda.empty_cache()
