@@ -70,6 +70,60 @@ def test_every_tile_order_gives_the_same_bits(rng):
         assert_bitwise_equal(got, want, f"{config} swizzle={swizzle} raster={raster}")
 
 
+def test_config_choice_by_shape():
+  # Decode rows take the swapped tile up to 32 rows, then the widest
+  # ping-pong tile with 64 CTAs; large products 128x256 (det_gemm_api.cc).
+  want = {(1, 4096): "swap_pingpong_64x32", (32, 14336): "swap_pingpong_64x32",
+          (1, 128256): "swap_pingpong_64x32",
+          (64, 4096): "pingpong_64x64", (64, 14336): "pingpong_64x128",
+          (64, 2048): "pingpong_64x32", (4096, 4096): "cooperative_128x256"}
+  assert {shape: cuda_ffi.chosen_config(*shape) for shape in want} == want
+
+
+@pytest.mark.parametrize("m", [16, 48, 256])
+def test_dependent_products_read_finished_inputs(m, rng):
+  # Each kernel is launched with programmatic dependent launch: it may start
+  # while the product it reads is still draining, and must wait for it
+  # (griddepcontrol.wait) before its first load. A chain of dependent
+  # products in one program (XLA's command buffer) and on torch's stream with
+  # no sync must give the bits of the same chain run one synchronized step at
+  # a time.
+  n = 1024
+  weights = [random_array(rng, (n, n), jnp.float32) / 32 for _ in range(12)]
+  weights = [w.astype(jnp.bfloat16) for w in weights]
+  x = random_array(rng, (m, n), jnp.bfloat16)
+  step = product("auto")
+  stepwise = [x]
+  for w in weights:
+    stepwise.append(step(stepwise[-1], w).block_until_ready())
+
+  @jax.jit
+  def chain(x, weights):
+    outs = [x]
+    for w in weights:
+      outs.append(step(outs[-1], w))
+    return outs
+
+  for got, want in zip(chain(x, weights)[1:], stepwise[1:]):
+    assert_bitwise_equal(got, want, f"M={m} jitted chain")
+
+  import torch  # the bridge's route: torch's current stream, no sync
+  as_torch = lambda v: torch.from_dlpack(v).clone()
+  t_weights = [as_torch(w) for w in weights]
+  t_out = [as_torch(x)]
+  stream = torch.cuda.current_stream().cuda_stream
+  for w in t_weights:
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    cuda_ffi.launch(t_out[-1].data_ptr(), w.data_ptr(), c.data_ptr(), m, n, n,
+                    transpose_a=False, transpose_b=False, out_f32=False,
+                    stream=stream)
+    t_out.append(c)
+  torch.cuda.synchronize()
+  for got, want in zip(t_out[1:], stepwise[1:]):
+    assert_bitwise_equal(np.asarray(jax.dlpack.from_dlpack(got)), want,
+                         f"M={m} torch chain")
+
+
 @pytest.mark.parametrize("name", sorted(PROJECTIONS))
 def test_projections_invariant_accurate_and_same_bits_as_pallas(name, rng):
   k, n = PROJECTIONS[name]

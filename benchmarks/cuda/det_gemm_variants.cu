@@ -3,12 +3,10 @@
 // library). Every variant walks K in order into one f32 accumulator, so all
 // of them must give the library's bits; det_gemm_variants.py checks that
 // before it times anything. One shared library per variant (they compile in
-// parallel), each exporting the same three C symbols:
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//     -Xcompiler -fPIC -shared -DRLK_VARIANT=<n> -I cuda_ffi/csrc \
-//     -isystem <cutlass>/include -isystem <cutlass>/tools/util/include \
-//     benchmarks/cuda/det_gemm_variants.cu -o <dir>/variant_<n>.so
-// (n = 0..26, see Entry below), then
+// parallel), each exporting the same C symbols, built with the library's
+// nvcc flags by
+//   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
+// (n = 0..32, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -37,6 +35,13 @@ template <int kRows, int kColumns, class Base>
 struct WithEpilogue : Base {
   template <class>
   using EpilogueTile = Shape<Int<kRows>, Int<kColumns>>;
+};
+
+// C^T = B^T A^T: the weight's columns fill the MMA's 64 rows and the
+// decode rows its narrow N side (the library's kSwapAB).
+template <class Base>
+struct Swapped : Base {
+  static constexpr bool kSwapAB = true;
 };
 
 // Variant n: its name, whether B is stored [N, K] (the dA layout) instead of
@@ -86,6 +91,14 @@ RLK_ENTRY(25, "coop256x128_c1x2_epi128x64", false,
           WithEpilogue<128, 64, Variant<256, 128, 1, 2, false>>)
 RLK_ENTRY(26, "coop128x256_c1x2_epi128x64", false,
           WithEpilogue<128, 64, Variant<128, 256, 1, 2, false>>)
+RLK_ENTRY(27, "swap pp64x16", false, Swapped<Variant<64, 16, 1, 1, true>>)
+RLK_ENTRY(28, "swap pp64x8", false, Swapped<Variant<64, 8, 1, 1, true>>)
+RLK_ENTRY(29, "swap pp64x32", false, Swapped<Variant<64, 32, 1, 1, true>>)
+RLK_ENTRY(30, "swap pp64x64", false, Swapped<Variant<64, 64, 1, 1, true>>)
+RLK_ENTRY(31, "swap coop128x16", false,
+          Swapped<Variant<128, 16, 1, 1, false>>)
+RLK_ENTRY(32, "swap pp64x16_c2x1", false,
+          Swapped<Variant<64, 16, 2, 1, true>>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;
@@ -99,6 +112,11 @@ extern "C" int rlk_variant_transpose_b() {
   return rlk::Chosen::kTransposeB ? 1 : 0;
 }
 
+// Programmatic dependent launch on (1, the library's way) or off (0) for
+// the calls that follow, to time what it gains.
+static bool launch_with_pdl = true;
+extern "C" void rlk_variant_set_pdl(int on) { launch_with_pdl = on != 0; }
+
 // Returns 0, or -1 with the reason in *message. c == nullptr: a workspace
 // query only. swizzle, raster: GemmProblem's tile order (0, 0: CUTLASS's).
 extern "C" int rlk_variant_run(const void* a, const void* b, void* c,
@@ -108,7 +126,7 @@ extern "C" int rlk_variant_run(const void* a, const void* b, void* c,
                                size_t* workspace_needed,
                                const char** message) {
   rlk::GemmProblem p{a, b, c, m, n, k, sm_count, workspace, workspace_bytes,
-                     stream, swizzle, raster};
+                     stream, swizzle, raster, launch_with_pdl};
   rlk::LaunchStatus s =
       rlk::Run<rlk::Gemm<false, rlk::Chosen::kTransposeB, false,
                         rlk::Chosen::Config>>(

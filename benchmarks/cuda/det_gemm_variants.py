@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import math
 import os
 import subprocess
@@ -35,8 +36,8 @@ SHAPES = {"qkv": (4096, 4096, 6144), "o": (4096, 4096, 4096),
 # Decode products: each call has its own A and its own weight (a decode
 # step's layers do not share weights), captured into one CUDA graph per
 # implementation so launch cost stays out of the figure.
-DECODE = {f"dec{n}_m{m}": (m, 4096, n) for n in (1024, 2048, 4096, 14336)
-          for m in (1, 16, 64)}
+DECODE = {f"dec{n}_m{m}": (m, 4096, n)
+          for n in (1024, 2048, 4096, 14336, 128256) for m in (1, 16, 32, 64)}
 DECODE_SETS = 16
 REPLAYS = 5
 SETS = 4
@@ -63,8 +64,11 @@ class Variant:
         ctypes.POINTER(ctypes.c_char_p)]
     self.workspace = None
     self.queried = set()
+    self.has_pdl_switch = hasattr(self.lib, "rlk_variant_set_pdl")
 
-  def __call__(self, a, b, c, swizzle=0, raster=0):
+  def __call__(self, a, b, c, swizzle=0, raster=0, pdl=True):
+    if self.has_pdl_switch:
+      self.lib.rlk_variant_set_pdl(1 if pdl else 0)
     m, k = a.shape
     n = c.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -122,15 +126,21 @@ def cublas_kernels(a, b, c) -> str:
 def main(argv):
   """argv: directory [variant indices, comma-separated] [shapes]; with
   RLK_ORDERS=1 the first variant also runs under every tile order of
-  ORDERS."""
+  ORDERS; with RLK_NOPDL=1 every variant that can switch it also runs
+  without programmatic dependent launch."""
   directory = argv[1]
   only = set(map(int, argv[2].split(","))) if len(argv) > 2 else None
   shapes = argv[3].split(",") if len(argv) > 3 else list(SHAPES)
   paths = sorted(glob.glob(os.path.join(directory, "variant_*.so")),
                  key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))
-  variants = [Variant(p) for p in paths
-              if only is None
-              or int(p.rsplit("_", 1)[1].split(".")[0]) in only]
+  variants, seen = [], set()
+  for path in paths:
+    if only is None or int(path.rsplit("_", 1)[1].split(".")[0]) in only:
+      v = Variant(path)
+      if v.name in seen:  # two builds of one entry: tell them apart
+        v.name += f" [{os.path.basename(path)}]"
+      seen.add(v.name)
+      variants.append(v)
   print(torch.cuda.get_device_name(), torch.__version__, flush=True)
   torch.backends.cuda.matmul.allow_tf32 = False
   ratios = {}
@@ -169,11 +179,15 @@ def main(argv):
         continue  # a variant with other bits cannot ship: not timed
       orders = (ORDERS if v is variants[0] and not decode
                 and os.environ.get("RLK_ORDERS") == "1" else [(0, 0)])
-      for swizzle, raster in orders:
+      pdls = ([True, False] if v.has_pdl_switch
+              and os.environ.get("RLK_NOPDL") == "1" else [True])
+      for (swizzle, raster), pdl in itertools.product(orders, pdls):
         name = v.name + ("" if (swizzle, raster) == (0, 0)
-                         else f" s{swizzle}r{'MN'[raster - 1]}")
-        impls[name] = (lambda v, sw, ra: lambda a, b_, c: v(
-            a, bt if v.transpose_b else b_, c, sw, ra))(v, swizzle, raster)
+                         else f" s{swizzle}r{'MN'[raster - 1]}") + (
+                             "" if pdl else " nopdl")
+        impls[name] = (lambda v, sw, ra, pdl: lambda a, b_, c: v(
+            a, bt if v.transpose_b else b_, c, sw, ra, pdl))(
+                v, swizzle, raster, pdl)
     print(f"  before: {gpu_state()}", flush=True)
     if decode:
       if any(v.transpose_b for v in variants):

@@ -18,34 +18,44 @@ namespace ffi = xla::ffi;
 
 namespace rlk {
 
-// The rows of a decode step (the streaming rule below was measured there).
+// The rows of a decode step, and those few enough for the swapped tile.
 constexpr int64_t kMaxDecodeRows = 64;
+constexpr int64_t kMaxSwapRows = 32;
 
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
-  // 128x256 once its tiles fill a wave. K is never split: that would change
-  // the bits.
+  // K is never split, whatever the shape: that would change the bits.
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
   };
-  if (tiles(128, 256) >= sm_count) return GemmConfig::kCooperative128x256;
-  if (m > kMaxDecodeRows) {
-    // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
-    return 2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
-                                          : GemmConfig::kPingpong64x32;
+  // Decode rows stream the weight; a tile taller than them only pads MMA
+  // rows for the same weight bytes. Measured on the H100 in CUDA-graph
+  // replays of 16 calls with their own weights, K=4096, as cuBLAS's speed
+  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_swap_pdl*,
+  // two machines).
+  //
+  // Up to 32 rows: the swapped 64x32 tile (C^T = B^T A^T), whatever N.
+  // M=1: 0.94-0.97x at N=4096 (0.86-0.88x for the 64x128 tile chosen
+  // before), 1.05-1.06x at 14336 (1.03x), 1.16-1.25x at 2048 (0.91-0.96x,
+  // 64x64), 0.99-1.08x at 1024 (0.72-0.89x, 64x32), 1.00x at 128256 (0.63x,
+  // 128x256). M=16 and 32: 0.95-1.28x, ahead of every tile measured or
+  // within 3% of the best.
+  if (m <= kMaxSwapRows) return GemmConfig::kSwapPingpong64x32;
+  if (m <= kMaxDecodeRows) {
+    // 33-64 rows, one 64-row tile deep: a CTA takes about the same time
+    // whatever its width, so the widest ping-pong tile that still gives
+    // kMinStreamingTiles CTAs wins. M=64: 64x64 at N=4096 (1.05-1.08x; 64x128
+    // 0.97-1.01x), 64x128 at 14336 (0.97-0.98x, 64x64 alike), 64x32 at 2048
+    // and 1024 (earlier runs: 0.96x, 64x64 0.92x).
+    constexpr int64_t kMinStreamingTiles = 64;
+    if (tiles(64, 128) >= kMinStreamingTiles) return GemmConfig::kPingpong64x128;
+    if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
+    return GemmConfig::kPingpong64x32;
   }
-  // Decode rows stream the weight, and a CTA takes about the same time
-  // whatever its tile width (64 K steps, each a TMA round trip), so the
-  // widest ping-pong tile with at least kMinStreamingTiles tiles wins.
-  // Measured on the H100 with CUDA-graph replay, K=4096, M in {1, 16, 64}
-  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_variants_decode*):
-  // at M <= 16, 64x128 took 15-40% less time than 64x32 at N=4096 and
-  // 14336, and 64x64 18% less at N=2048. At M = 64 the tile this rule picks
-  // came within 4% of the fastest of the three. At N=1024 it keeps 64x32,
-  // though 64x64 took 4-17% less time at M <= 16.
-  constexpr int64_t kMinStreamingTiles = 32;
-  if (tiles(64, 128) >= kMinStreamingTiles) return GemmConfig::kPingpong64x128;
-  if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
-  return GemmConfig::kPingpong64x32;
+  // 128x256 once its tiles fill a wave.
+  if (tiles(128, 256) >= sm_count) return GemmConfig::kCooperative128x256;
+  // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
+  return 2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
+                                        : GemmConfig::kPingpong64x32;
 }
 
 namespace {
@@ -109,7 +119,7 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
                   (long long)m, (long long)n, (long long)k);
     return buf;
   }
-  if (config < 0 || config > 4) {
+  if (config < 0 || config > static_cast<int64_t>(GemmConfig::kLastConfig)) {
     std::snprintf(buf, sizeof buf, "rlk cuda_ffi det_gemm: unknown config %lld",
                   (long long)config);
     return buf;

@@ -3,6 +3,12 @@
 // build compiles this file once per variant, in parallel.
 #include "det_gemm_sm90.h"
 
+// CUTLASS's SM90 kernels wait on the previous grid (griddepcontrol.wait)
+// before their first global access only when this is defined; a kernel
+// launched with programmatic dependent launch (GemmProblem::pdl) must
+// have it, or it could read its inputs before their producer finished.
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -61,6 +67,18 @@ struct Pingpong64x32 {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
+// Decode rows, swapped (SwapABOf below): 64 columns of C fill the MMA's 64
+// rows and up to 32 rows of A its N side, so a row of A costs 32 of MMA
+// width instead of 64 rows, and the weight streams through twice as many
+// CTAs as 64x128 tiles would give.
+struct SwapPingpong64x32 {
+  static constexpr bool kSwapAB = true;
+  using Tile = Shape<_64, _32, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
 // rounds and stores: it never moves a bit.
@@ -75,19 +93,38 @@ struct EpilogueTileOf<
   using type = typename Config::template EpilogueTile<ElementD>;
 };
 
+// A config computes C^T = B^T A^T instead of C = A B when it says
+// kSwapAB (decode rows: the weight's N fills the 64-row MMA atom and the
+// few rows of A its narrow N side, where C = A B would pad M to 64). Each
+// output element is still one f32 sum of the same products, K in order, in
+// the same k16 MMA groups, so the bits do not move (device-tested per
+// config).
+template <class Config, class = void>
+struct SwapABOf : std::false_type {};
+template <class Config>
+struct SwapABOf<Config, std::void_t<decltype(Config::kSwapAB)>>
+    : std::bool_constant<Config::kSwapAB> {};
+
 // Row-major storage in our terms, as CUTLASS layout tags: A [M, K] is
 // K-major (RowMajor), A stored [K, M] is M-major (ColumnMajor); CUTLASS reads
 // B as K x N, so B [K, N] is RowMajor and B stored [N, K] is ColumnMajor.
+// Swapped, CUTLASS's A is our B^T ([N, K]: K-major when B is stored [N, K])
+// and its B is our A^T ([K, M]: K-major when A is stored [M, K]); its D is
+// C^T, so our row-major C is a column-major D.
 template <bool kTransposeA, bool kTransposeB, bool kOutF32, class Config>
 struct Gemm {
+  static constexpr bool kSwapAB = SwapABOf<Config>::value;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementD = std::conditional_t<kOutF32, float, cutlass::bfloat16_t>;
-  using LayoutA = std::conditional_t<kTransposeA, cutlass::layout::ColumnMajor,
+  using LayoutA = std::conditional_t<
+      kSwapAB ? !kTransposeB : kTransposeA, cutlass::layout::ColumnMajor,
+      cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<
+      kSwapAB ? !kTransposeA : kTransposeB, cutlass::layout::ColumnMajor,
+      cutlass::layout::RowMajor>;
+  using LayoutD = std::conditional_t<kSwapAB, cutlass::layout::ColumnMajor,
                                      cutlass::layout::RowMajor>;
-  using LayoutB = std::conditional_t<kTransposeB, cutlass::layout::ColumnMajor,
-                                     cutlass::layout::RowMajor>;
-  using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 8;  // 16-byte TMA rows of bf16
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
@@ -118,8 +155,12 @@ template <class G>
 LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
   using Device = typename G::Device;
   using Kernel = typename G::Kernel;
-  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n),
+  // CUTLASS's problem: ours, or its transpose (G::kSwapAB).
+  const int m = static_cast<int>(G::kSwapAB ? p.n : p.m),
+            n = static_cast<int>(G::kSwapAB ? p.m : p.n),
             k = static_cast<int>(p.k);
+  const void* operand_a = G::kSwapAB ? p.b : p.a;
+  const void* operand_b = G::kSwapAB ? p.a : p.b;
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{},
                                                    cute::make_shape(m, k, 1));
   auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{},
@@ -132,8 +173,8 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
   typename Device::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {static_cast<const typename G::ElementA*>(p.a), stride_a,
-       static_cast<const typename G::ElementB*>(p.b), stride_b},
+      {static_cast<const typename G::ElementA*>(operand_a), stride_a,
+       static_cast<const typename G::ElementB*>(operand_b), stride_b},
       {{1.0f, 0.0f},
        nullptr,
        typename Kernel::StrideC{},
@@ -161,7 +202,8 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
       cutlass::Status::kSuccess) {
     return {false, "CUTLASS initialize failed"};
   }
-  if (gemm.run(p.stream) != cutlass::Status::kSuccess) {
+  if (gemm.run(p.stream, /*cuda_adapter=*/nullptr, p.pdl) !=
+      cutlass::Status::kSuccess) {
     return {false, "CUTLASS kernel launch failed"};
   }
   return {true, nullptr};
@@ -184,6 +226,9 @@ LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
           problem, workspace_needed);
     case GemmConfig::kPingpong64x32:
       return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x32>>(
+          problem, workspace_needed);
+    case GemmConfig::kSwapPingpong64x32:
+      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, SwapPingpong64x32>>(
           problem, workspace_needed);
     default:
       return {false, "unknown det_gemm config"};

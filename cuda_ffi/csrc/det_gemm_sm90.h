@@ -27,8 +27,15 @@ struct GemmProblem {
   // whole, K in order). 0 = CUTLASS's default (swizzle 1, its heuristic
   // raster: along M when there are more N tiles); a sweep of every order on
   // the H100 found none faster beyond run-to-run noise.
+  // (A swapped config's scheduler sees C^T: its M is our N.)
   int swizzle = 0;  // 1, 2, 4 or 8 tiles per swizzle band
   int raster = 0;   // 1: along M, 2: along N
+  // Programmatic dependent launch: the kernel may be scheduled while the
+  // previous kernel on the stream drains, and runs its prologue (barriers,
+  // TMA descriptor prefetch) there; every global read and write still
+  // waits for that kernel to finish and flush (griddepcontrol.wait, which
+  // det_gemm_kernels.cu compiles in). Scheduling only: the bits never move.
+  bool pdl = true;
 };
 
 // Kernel instantiations. Every one walks K in order, one 64-wide K tile after
@@ -41,6 +48,8 @@ enum class GemmConfig : int {
   kPingpong64x128 = 2,      // small M: narrow tiles, more of them
   kPingpong64x32 = 3,       // decode with few output columns: enough tiles
   kPingpong64x64 = 4,       // to keep several SMs streaming the weight
+  kSwapPingpong64x32 = 5,   // decode rows: C^T = B^T A^T, 64 columns x 32 rows
+  kLastConfig = kSwapPingpong64x32,
 };
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
