@@ -239,6 +239,36 @@ def test_torch_route_same_bits_and_gradients(rng):
   assert_bitwise_equal(as_np(tw.grad), dw)
 
 
+def test_c_entry_on_a_fresh_thread(rng):
+  # torch's autograd worker for device 0 may reach the library before it
+  # made any CUDA call, so with no current context: the entry must make
+  # one current, not launch with TMA descriptors the driver refused.
+  import threading
+  import torch
+  a = torch.from_dlpack(random_array(rng, (300, 1024), jnp.bfloat16)).clone()
+  b = torch.from_dlpack(random_array(rng, (1024, 4096), jnp.bfloat16)).clone()
+  c = torch.full((300, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+  stream = torch.cuda.current_stream().cuda_stream
+  errors = []
+
+  def launch():
+    try:
+      cuda_ffi.launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), 300, 4096,
+                      1024, transpose_a=False, transpose_b=False,
+                      out_f32=False, stream=stream)
+    except Exception as e:  # reported below, in the test's thread
+      errors.append(e)
+
+  worker = threading.Thread(target=launch)
+  worker.start()
+  worker.join()
+  assert not errors, errors
+  torch.cuda.synchronize()
+  want = product("auto")(jax.dlpack.from_dlpack(a), jax.dlpack.from_dlpack(b))
+  assert_bitwise_equal(np.asarray(jax.dlpack.from_dlpack(c)), want,
+                       "launched from a fresh thread")
+
+
 # Small ragged problems through the library's C entries (torch owns memory
 # and stream): det_gemm in every config and layout, then pack from a mask
 # through the one-kernel path (16-byte rows) and the metadata kernels + gather

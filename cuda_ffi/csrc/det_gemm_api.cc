@@ -242,6 +242,17 @@ const char* rlk_det_gemm_sm90(int transpose_a, int transpose_b, int out_f32,
   if (m == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
+  // A thread that has made no CUDA runtime call yet has no current context
+  // (torch's autograd worker for device 0 never sets the device it already
+  // reports), and CUTLASS's TMA descriptors are encoded through the driver,
+  // which then fails with CUDA_ERROR_INVALID_CONTEXT; CUTLASS only prints
+  // that and launches with a bad descriptor. cudaSetDevice makes the
+  // device's primary context current here (CUDA 12+), cheaply once it is.
+  if (cudaSetDevice(device) != cudaSuccess) {
+    last_error = "rlk cuda_ffi det_gemm: cannot make the CUDA context of "
+                 "device " + std::to_string(device) + " current";
+    return last_error.c_str();
+  }
   const DeviceInfo& info = InfoOf(device);
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
                             0, 0, info);
@@ -285,8 +296,7 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 }
 
 // The instantiation an auto call picks on the current device (a GemmConfig
-// code, 1-4), so
-// tests and benchmarks can name what ran.
+// code, 1-5), so tests and benchmarks can name what ran.
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
   int device = 0;
   cudaGetDevice(&device);
