@@ -75,13 +75,15 @@ def test_config_choice_by_shape():
   # ping-pong tile with 64 CTAs; large products 128x256 (det_gemm_api.cc).
   want = {(1, 4096): "swap_pingpong_64x32", (32, 14336): "swap_pingpong_64x32",
           (1, 128256): "swap_pingpong_64x32",
-          (64, 4096): "pingpong_64x64", (64, 14336): "pingpong_64x128",
-          (64, 2048): "pingpong_64x32", (4096, 4096): "cooperative_128x256"}
+          (33, 4096): "pingpong_64x64", (64, 4096): "pingpong_64x64",
+          (64, 14336): "pingpong_64x128", (64, 2048): "pingpong_64x32",
+          (65, 4096): "pingpong_64x32", (4096, 4096): "cooperative_128x256"}
   assert {shape: cuda_ffi.chosen_config(*shape) for shape in want} == want
 
 
 @pytest.mark.parametrize("m", [16, 48, 256])
-def test_dependent_products_read_finished_inputs(m, rng):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_dependent_products_read_finished_inputs(m, config, rng):
   # Each kernel is launched with programmatic dependent launch: it may start
   # while the product it reads is still draining, and must wait for it
   # (griddepcontrol.wait) before its first load. A chain of dependent
@@ -92,7 +94,7 @@ def test_dependent_products_read_finished_inputs(m, rng):
   weights = [random_array(rng, (n, n), jnp.float32) / 32 for _ in range(12)]
   weights = [w.astype(jnp.bfloat16) for w in weights]
   x = random_array(rng, (m, n), jnp.bfloat16)
-  step = product("auto")
+  step = product(config)
   stepwise = [x]
   for w in weights:
     stepwise.append(step(stepwise[-1], w).block_until_ready())
@@ -105,7 +107,7 @@ def test_dependent_products_read_finished_inputs(m, rng):
     return outs
 
   for got, want in zip(chain(x, weights)[1:], stepwise[1:]):
-    assert_bitwise_equal(got, want, f"M={m} jitted chain")
+    assert_bitwise_equal(got, want, f"M={m} {config} jitted chain")
 
   import torch  # the bridge's route: torch's current stream, no sync
   as_torch = lambda v: torch.from_dlpack(v).clone()
@@ -116,12 +118,12 @@ def test_dependent_products_read_finished_inputs(m, rng):
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     cuda_ffi.launch(t_out[-1].data_ptr(), w.data_ptr(), c.data_ptr(), m, n, n,
                     transpose_a=False, transpose_b=False, out_f32=False,
-                    stream=stream)
+                    stream=stream, config=config)
     t_out.append(c)
   torch.cuda.synchronize()
   for got, want in zip(t_out[1:], stepwise[1:]):
     assert_bitwise_equal(np.asarray(jax.dlpack.from_dlpack(got)), want,
-                         f"M={m} torch chain")
+                         f"M={m} {config} torch chain")
 
 
 @pytest.mark.parametrize("name", sorted(PROJECTIONS))

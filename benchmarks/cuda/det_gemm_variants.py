@@ -133,14 +133,14 @@ def main(argv):
   shapes = argv[3].split(",") if len(argv) > 3 else list(SHAPES)
   paths = sorted(glob.glob(os.path.join(directory, "variant_*.so")),
                  key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))
-  variants, seen = [], set()
-  for path in paths:
-    if only is None or int(path.rsplit("_", 1)[1].split(".")[0]) in only:
-      v = Variant(path)
-      if v.name in seen:  # two builds of one entry: tell them apart
-        v.name += f" [{os.path.basename(path)}]"
-      seen.add(v.name)
-      variants.append(v)
+  chosen = [p for p in paths
+            if only is None or int(p.rsplit("_", 1)[1].split(".")[0]) in only]
+  variants = [Variant(p) for p in chosen]
+  names = [v.name for v in variants]
+  for v, path in zip(variants, chosen):  # two builds of one entry: tell apart
+    if names.count(v.name) > 1:
+      v.name += f" [{os.path.basename(path)}]"
+
   print(torch.cuda.get_device_name(), torch.__version__, flush=True)
   torch.backends.cuda.matmul.allow_tf32 = False
   ratios = {}

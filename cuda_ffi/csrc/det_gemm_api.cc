@@ -247,11 +247,16 @@ const char* rlk_det_gemm_sm90(int transpose_a, int transpose_b, int out_f32,
   // reports), and CUTLASS's TMA descriptors are encoded through the driver,
   // which then fails with CUDA_ERROR_INVALID_CONTEXT; CUTLASS only prints
   // that and launches with a bad descriptor. cudaSetDevice makes the
-  // device's primary context current here (CUDA 12+), cheaply once it is.
-  if (cudaSetDevice(device) != cudaSuccess) {
-    last_error = "rlk cuda_ffi det_gemm: cannot make the CUDA context of "
-                 "device " + std::to_string(device) + " current";
-    return last_error.c_str();
+  // device's primary context current here (CUDA 12+), once per thread and
+  // device.
+  thread_local int context_device = -1;
+  if (context_device != device) {
+    if (cudaSetDevice(device) != cudaSuccess) {
+      last_error = "rlk cuda_ffi det_gemm: cannot make the CUDA context of "
+                   "device " + std::to_string(device) + " current";
+      return last_error.c_str();
+    }
+    context_device = device;
   }
   const DeviceInfo& info = InfoOf(device);
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,

@@ -18,6 +18,13 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+// Run() launches with programmatic dependent launch: the device code must
+// wait on the previous grid, which CUTLASS compiles in only when the define
+// above came before its headers and the target is sm_90a.
+#if defined(__CUDA_ARCH__) && !defined(CUTLASS_GDC_ENABLED)
+#error "CUTLASS_GDC_ENABLED is off: these kernels would not wait for their inputs"
+#endif
+
 // RLK_KERNEL_TEMPLATES_ONLY: the experiment harnesses under
 // benchmarks/cuda include this file for its templates and instantiate their
 // own variants.
@@ -175,6 +182,8 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
       {m, n, k, 1},
       {static_cast<const typename G::ElementA*>(operand_a), stride_a,
        static_cast<const typename G::ElementB*>(operand_b), stride_b},
+      // alpha and beta as values: the epilogue would read pointers to them
+      // before the mainloop's griddepcontrol.wait.
       {{1.0f, 0.0f},
        nullptr,
        typename Kernel::StrideC{},
