@@ -35,20 +35,6 @@ def _info_plan(mask_shape: tuple, capacity: int):
           scratch_at + scratch)
 
 
-def _info_launch(mask: torch.Tensor, capacity: int):
-  """(active bytes, n_seq, width, the info buffer, its field bytes, scratch
-  address, field addresses): what a launch that writes a PackInfo needs."""
-  mask_shape = tuple(mask.shape)
-  active = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
-  offsets, nbytes, scratch_at, total = _info_plan(mask_shape, capacity)
-  buffer = torch.empty(total, dtype=torch.uint8, device=mask.device)
-  base = buffer.data_ptr()
-  n_seq = mask_shape[0]
-  width = active.numel() // n_seq if n_seq else 0
-  return (active, n_seq, width, buffer, nbytes, base + scratch_at,
-          [base + o for o in offsets])
-
-
 def pack_from_mask(x: torch.Tensor, mask: torch.Tensor, capacity: int,
                    fill) -> tuple[torch.Tensor, PackInfo]:
   """``(packed [capacity, *tail], PackInfo)`` from the mask: the rows and
@@ -56,17 +42,23 @@ def pack_from_mask(x: torch.Tensor, mask: torch.Tensor, capacity: int,
   rows (the kernel rlk_jax's cuda_ffi pack runs), else the metadata kernels
   and the gather."""
   src = x.contiguous()
+  mask_shape = tuple(mask.shape)
   tail = tuple(src.shape[mask.ndim:])
   out = torch.empty((capacity, *tail), dtype=src.dtype, device=src.device)
-  active, n_seq, width, buffer, nbytes, scratch, fields = _info_launch(
-      mask, capacity)
+  active = (mask if mask.dtype == torch.bool else mask != 0).contiguous()
+  n_seq = mask_shape[0]
+  width = active.numel() // n_seq if n_seq else 0
+  # The PackInfo fields and the kernels' scratch: one allocation.
+  offsets, nbytes, scratch_at, total = _info_plan(mask_shape, capacity)
+  buffer = torch.empty(total, dtype=torch.uint8, device=mask.device)
+  base = buffer.data_ptr()
   cuda_ffi.launch_pack_rows(
       _current_stream_handle(src.device.index), src.data_ptr(),
       active.data_ptr(), n_seq, width, capacity,
       math.prod(tail) * src.element_size(), src.element_size(),
-      _fill_bits(fill, src.dtype), scratch, fields, out.data_ptr())
-  return out, PackInfo.from_buffer(buffer[:nbytes], None, tuple(mask.shape),
-                                   capacity)
+      _fill_bits(fill, src.dtype), base + scratch_at,
+      [base + o for o in offsets], out.data_ptr())
+  return out, PackInfo.from_buffer(buffer[:nbytes], None, mask_shape, capacity)
 
 
 def _index_map(info: PackInfo, name: str) -> tuple[int, object]:

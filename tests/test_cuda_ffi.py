@@ -85,7 +85,8 @@ def test_sources_compile_for_sm90a():
 
 def test_every_source_is_part_of_the_build():
   sources = {p.name for p in build.CSRC.iterdir()}
-  assert sources == {"det_gemm_sm90.h", "ffi_traits.h", build.KERNEL_SOURCE.name,
+  assert sources == {"det_gemm_sm90.h", "device_info.h", "ffi_traits.h",
+                     build.KERNEL_SOURCE.name,
                      build.API_SOURCE.name, "pack_rows.h",
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()

@@ -4,13 +4,12 @@
 // bits for the same inputs. The FFI handler is command-buffer compatible
 // (ffi_traits.h): its workspace is an XLA-allocated result.
 #include <cstdio>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include <cuda_runtime.h>
 
 #include "det_gemm_sm90.h"
+#include "device_info.h"
 #include "ffi_traits.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,29 +58,6 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
 }
 
 namespace {
-
-struct DeviceInfo {
-  int major = 0, minor = 0, sm_count = 0;
-};
-
-// Per-device properties, queried once: the launch path stays free of
-// driver queries.
-const DeviceInfo& InfoOf(int device) {
-  static std::mutex mu;
-  static std::vector<DeviceInfo> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1);
-  DeviceInfo& info = cache[device];
-  if (info.sm_count == 0) {
-    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor,
-                           device);
-    cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor,
-                           device);
-    cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount,
-                           device);
-  }
-  return info;
-}
 
 thread_local std::string last_error;
 
@@ -180,9 +156,7 @@ ffi::Error DetGemmFfi(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
         ", " + std::to_string(dc[1]) + "]");
   }
   if (m == 0) return ffi::Error::Success();
-  int device = 0;
-  cudaGetDevice(&device);
-  const DeviceInfo& info = InfoOf(device);
+  const DeviceInfo& info = CurrentDeviceInfo();
   const std::string problem = CheckProblem(
       m, n, k, transpose_a, transpose_b, out_f32, config, swizzle, raster, info);
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
@@ -278,9 +252,7 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
                                     int64_t k, int64_t config,
                                     const char** error) {
   using namespace rlk;
-  int device = 0;
-  cudaGetDevice(&device);
-  const DeviceInfo& info = InfoOf(device);
+  const DeviceInfo& info = CurrentDeviceInfo();
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
                             0, 0, info);
   if (!last_error.empty()) {
@@ -303,10 +275,8 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 // The instantiation an auto call picks on the current device (a GemmConfig
 // code, 1-5), so tests and benchmarks can name what ran.
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
-  int device = 0;
-  cudaGetDevice(&device);
   return static_cast<int>(
-      rlk::ChooseConfig(m, n, rlk::InfoOf(device).sm_count));
+      rlk::ChooseConfig(m, n, rlk::CurrentDeviceInfo().sm_count));
 }
 
 }  // extern "C"

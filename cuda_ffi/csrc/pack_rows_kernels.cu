@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "device_info.h"
 #include "pack_rows.h"
 
 namespace rlk {
@@ -260,15 +261,14 @@ __global__ void GatherRowsFlat(const Unit* src, const int32_t* idx,
 // rows and every PackInfo field: the metadata costs no launches of its own.
 // Each field is still written by exactly one thread of one block.
 
-// A block's threads hold the whole mask as bits, kFusedWords 64-bit words a
-// thread. At <= 64 registers a 1024-thread block fills an SM; 512-thread
+// A block's threads hold the whole mask as bits, one 64-bit word a thread.
+// At <= 64 registers a 1024-thread block fills an SM; 512-thread
 // blocks two to an SM were slower (the H100 experiment below).
 #ifndef RLK_FUSED_THREADS  // other block sizes only for experiments
 #define RLK_FUSED_THREADS 1024
 #endif
 constexpr int kFusedThreads = RLK_FUSED_THREADS;
-constexpr int kFusedWords = 1;
-constexpr int64_t kFusedMaxPerThread = 64 * kFusedWords;
+constexpr int64_t kFusedMaxPerThread = 64;
 constexpr int64_t kFusedMaxMask = kFusedMaxPerThread * kFusedThreads;  // 65536
 constexpr int64_t kFusedMaxSeq = 4096;                 // cu_seqlens in smem
 constexpr int kFusedMaxRowsPerBlock = 1024;
@@ -280,60 +280,25 @@ struct FusedGeometry {
   int per_thread;  // positions a thread scans: a multiple of 16, at most 64
 };
 
-// A thread's mask positions [first, first + per_thread) as bits.
-struct MaskBits {
-  uint64_t w[kFusedWords];
-
-  // (Words are picked by unrolled compares, never by a run-time index, which
-  // would move the array to local memory.)
-  __device__ bool Test(int offset) const {
-    uint64_t word = w[0];
-#pragma unroll
-    for (int i = 1; i < kFusedWords; ++i) {
-      if (offset >= 64 * i) word = w[i];
-    }
-    return (word >> (offset & 63)) & 1u;
-  }
-  __device__ int Count() const {
-    int n = 0;
-#pragma unroll
-    for (int i = 0; i < kFusedWords; ++i) n += __popcll(w[i]);
-    return n;
-  }
-  // Set bits at offsets below `offset` (0 <= offset < 64 * kFusedWords).
-  __device__ int CountBelow(int offset) const {
-    int n = 0;
-#pragma unroll
-    for (int i = 0; i < kFusedWords; ++i) {
-      const int lo = offset - 64 * i;  // bits of word i below offset
-      if (lo >= 64) n += __popcll(w[i]);
-      else if (lo > 0) n += __popcll(w[i] & ((1ull << lo) - 1));
-    }
-    return n;
-  }
-};
-
 // Bits of `count` consecutive mask bytes from `first` (16-byte aligned;
 // XLA's bool bytes are 0 or 1, so one multiply gathers four of them).
-__device__ MaskBits LoadMaskBits(const uint8_t* __restrict__ active,
+__device__ uint64_t LoadMaskBits(const uint8_t* __restrict__ active,
                                  int64_t size, int64_t first, int count) {
-  MaskBits bits = {};
+  uint64_t bits = 0;
 #pragma unroll
   for (int c = 0; c < kFusedMaxPerThread; c += 16) {
     if (c >= count) break;
     const int64_t p = first + c;
-    uint64_t& word = bits.w[c >> 6];
-    const int shift = c & 63;
     if (p + 16 <= size) {
       const uint4 v = *reinterpret_cast<const uint4*>(active + p);
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        word |= static_cast<uint64_t>((words[w] * 0x10204080u) >> 28) << (shift + 4 * w);
+        bits |= static_cast<uint64_t>((words[w] * 0x10204080u) >> 28) << (c + 4 * w);
       }
     } else {
       for (int k = 0; k < 16 && p + k < size; ++k) {
-        if (active[p + k]) word |= 1ull << (shift + k);
+        if (active[p + k]) bits |= 1ull << (c + k);
       }
     }
   }
@@ -353,9 +318,8 @@ PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
   const int per = geo.per_thread;
   const int64_t first = static_cast<int64_t>(threadIdx.x) * per;
   const int64_t last = min(first + per, size);  // this thread's positions
-  const MaskBits bits = first < size ? LoadMaskBits(active, size, first, per)
-                                     : MaskBits{};
-  const int count = bits.Count();
+  const uint64_t bits = first < size ? LoadMaskBits(active, size, first, per) : 0;
+  const int count = __popcll(bits);
   int total;
   const int before = BlockExclusiveScan(count, &total);
   const int64_t kept = min(static_cast<int64_t>(total), capacity);
@@ -365,17 +329,14 @@ PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
   // and a walk over its set bits only where they are this block's rows.
   const int64_t seq0 = (first + width - 1) / width;
   for (int64_t s = seq0; s * width < last; ++s) {
-    cu[s] = before + bits.CountBelow(static_cast<int>(s * width - first));
+    const int offset = static_cast<int>(s * width - first);  // < 64
+    cu[s] = before + __popcll(bits & ((1ull << offset) - 1));
   }
   if (before < r1 && before + count > r0) {
     int row = before;
-#pragma unroll
-    for (int i = 0; i < kFusedWords; ++i) {
-      for (uint64_t b = bits.w[i]; b; b &= b - 1, ++row) {
-        if (row >= r0 && row < r1) {
-          source_of[row - r0] =
-              static_cast<int32_t>(first + 64 * i + __ffsll(b) - 1);
-        }
+    for (uint64_t b = bits; b; b &= b - 1, ++row) {
+      if (row >= r0 && row < r1) {
+        source_of[row - r0] = static_cast<int32_t>(first + __ffsll(b) - 1);
       }
     }
   }
@@ -385,7 +346,7 @@ PackRowsFused(const Unit* __restrict__ src, const uint8_t* __restrict__ active,
   if (first < p1 && last > p0) {
     int row = before;
     for (int64_t p = first; p < last; ++p) {
-      const bool on = bits.Test(static_cast<int>(p - first));
+      const bool on = (bits >> (p - first)) & 1u;
       if (p >= p0 && p < p1) out.scatter_map[p] = on && row < capacity ? row : -1;
       row += on;
     }
@@ -511,19 +472,6 @@ cudaError_t PackInfoFromMask(cudaStream_t stream, const uint8_t* active,
 
 namespace {
 
-// The current device's SM count, queried once per device.
-int SmCount() {
-  static int counts[64] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) {
-    cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount,
-                           device);
-  }
-  return counts[device] > 0 ? counts[device] : 132;
-}
-
 // The fill as 16 bytes: the element's bytes repeated.
 void FillPattern(uint64_t fill_bits, int64_t elem_bytes, uint8_t pattern[16]) {
   for (int i = 0; i < 16; ++i) {
@@ -584,7 +532,9 @@ cudaError_t PackRows(cudaStream_t stream, const void* src,
   // GatherRows (benchmarks/results/h100-2026-11-22-experiments/
   // pack_fused_variants.txt).
   const FusedGeometry geo = ChooseFusedGeometry(
-      size, capacity, static_cast<int64_t>(SmCount()) * (1024 / kFusedThreads));
+      size, capacity,
+      static_cast<int64_t>(std::max(CurrentDeviceInfo().sm_count, 1)) *
+          (1024 / kFusedThreads));
   const int64_t upr = row_bytes / 16;
   uint8_t pattern[16];
   FillPattern(fill_bits, elem_bytes, pattern);
