@@ -4,7 +4,10 @@
 
 Competitors (stable names): ``cublas`` (torch.matmul, bf16, TF32 off, on
 torch-native copies of the operands, replayed from a CUDA graph), ``xla_dot`` (``jnp.dot``, bf16
-out), ``rlk_<impl>`` for each available rlk implementation; backward:
+out), ``rlk_<impl>`` for each available rlk implementation (jitted JAX
+programs), ``rlk_cuda_ffi_torch`` (the cuda_ffi kernels through the torch
+bridge, replayed from a CUDA graph as cuBLAS is) and, for decode rows,
+``cublas_eager`` (torch.matmul in a plain loop, host-bound); backward:
 ``cublas_pair`` (torch's ``g @ b.T`` and ``a.T @ g``, the same way), ``xla_dot_vjp`` and
 ``rlk_<impl>_vjp`` (dA and dB). The competitors of a case are timed in
 interleaved rounds. The note gives each rlk figure as a fraction of cuBLAS's
@@ -118,6 +121,20 @@ def run(smoke: bool) -> list[Row]:
       torch_pairs = _torch_copies(torch, pairs)
       competitors["cublas"] = lambda: harness.torch_batch(
           torch.matmul, torch_pairs, graph=True)
+      if "cuda_ffi" in impls:
+        # The same kernels through the torch bridge, launched as cuBLAS is
+        # (graph replay of torch-native operands): kernel against kernel,
+        # without the per-execution idle time a jitted program adds.
+        import rlk_torch_bridge
+        competitors["rlk_cuda_ffi_torch"] = lambda: harness.torch_batch(
+            functools.partial(rlk_torch_bridge.det_gemm,
+                              implementation="cuda_ffi"),
+            torch_pairs, graph=True)
+      if not is_big:
+        # torch.matmul in a plain loop: what the decode latencies
+        # were measured with; launch-bound, so it times the host.
+        competitors["cublas_eager"] = lambda: harness.torch_batch(
+            torch.matmul, torch_pairs)
     competitors["xla_dot"] = lambda: harness.jax_batch(
         lambda a, b: jnp.dot(a, b), pairs)
     for impl in impls:
@@ -126,10 +143,14 @@ def run(smoke: bool) -> list[Row]:
     case_rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops)
     peer = next((r.tflops for r in case_rows if r.implementation == "cublas"),
                 None)
+    eager_ms = next((r.median_ms for r in case_rows
+                     if r.implementation == "cublas_eager"), None)
     for row in case_rows:
       if row.implementation.startswith("rlk_") and peer and row.tflops:
         row.note = f"{row.tflops / peer:.2f}x cublas"
-      if row.implementation == "rlk_cuda_ffi":
+        if eager_ms and row.median_ms:
+          row.note += f", {row.median_ms / eager_ms:.2f}x cublas_eager time"
+      if row.implementation.startswith("rlk_cuda_ffi"):
         import cuda_ffi  # only where it is available
         row.note += f" config {cuda_ffi.chosen_config(m, n)}"
     rows += case_rows

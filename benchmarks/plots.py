@@ -233,7 +233,7 @@ def _density_series(rows, ref_key: str = ""):
 
 # ---------------------------------------------------------------- det_gemm
 
-GEMM_PEERS = ("cublas", "xla_dot")
+GEMM_PEERS = ("cublas", "xla_dot", "cublas_eager")
 
 
 def _is_gemm_competitor(row) -> bool:

@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..32, see Entry below), then
+// (n = 0..34, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -99,6 +99,11 @@ RLK_ENTRY(31, "swap coop128x16", false,
           Swapped<Variant<128, 16, 1, 1, false>>)
 RLK_ENTRY(32, "swap pp64x16_c2x1", false,
           Swapped<Variant<64, 16, 2, 1, true>>)
+// 256x192: each consumer warpgroup holds 128x192 (192 f32 registers), and
+// with A shared across a 1x2 cluster a CTA reads 0.81 bytes from L2 per
+// output per K tile (128x256 2x1: 0.98; cuBLAS's 320x128 1x2: 0.88).
+RLK_ENTRY(33, "coop256x192_c1x2", false, Variant<256, 192, 1, 2, false>)
+RLK_ENTRY(34, "coop256x192_c2x1", false, Variant<256, 192, 2, 1, false>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;
