@@ -32,7 +32,8 @@ PACK_ROWS_TARGET = "rlk_pack_rows"
 # Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
 # shape. Every config gives the same bits (device-tested).
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
-           "pingpong_64x32": 3, "pingpong_64x64": 4, "swap_pingpong_64x32": 5}
+           "pingpong_64x32": 3, "pingpong_64x64": 4, "swap_pingpong_64x32": 5,
+           "cooperative_256x192": 6}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N

@@ -72,12 +72,20 @@ def test_every_tile_order_gives_the_same_bits(rng):
 
 def test_config_choice_by_shape():
   # Decode rows take the swapped tile up to 32 rows, then the widest
-  # ping-pong tile with 64 CTAs; large products 128x256 (det_gemm_api.cc).
+  # ping-pong tile with 64 CTAs; large products 128x256, or 256x192 where
+  # its last wave is no emptier (det_gemm_api.cc; 132 SMs).
   want = {(1, 4096): "swap_pingpong_64x32", (32, 14336): "swap_pingpong_64x32",
           (1, 128256): "swap_pingpong_64x32",
           (33, 4096): "pingpong_64x64", (64, 4096): "pingpong_64x64",
           (64, 14336): "pingpong_64x128", (64, 2048): "pingpong_64x32",
-          (65, 4096): "pingpong_64x32", (4096, 4096): "cooperative_128x256"}
+          (65, 4096): "pingpong_64x32", (4096, 4096): "cooperative_128x256",
+          (4096, 6144): "cooperative_256x192",  # qkv: the same waste
+          (4096, 128256): "cooperative_256x192",  # lm_head: less
+          (4096, 28672): "cooperative_128x256",  # gate_up: 256x192 wastes 2% more
+          (4096, 14336): "cooperative_128x256",
+          (1024, 6144): "cooperative_256x192",  # 128 tiles: one wave, 97% full
+          # ragged both ways: 4 waves of 256x192 95% full, 128x256 81%
+          (4000, 6152): "cooperative_256x192"}
   assert {shape: cuda_ffi.chosen_config(*shape) for shape in want} == want
 
 

@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..34, see Entry below), then
+// (n = 0..37, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -103,7 +103,12 @@ RLK_ENTRY(32, "swap pp64x16_c2x1", false,
 // with A shared across a 1x2 cluster a CTA reads 0.81 bytes from L2 per
 // output per K tile (128x256 2x1: 0.98; cuBLAS's 320x128 1x2: 0.88).
 RLK_ENTRY(33, "coop256x192_c1x2", false, Variant<256, 192, 1, 2, false>)
-RLK_ENTRY(34, "coop256x192_c2x1", false, Variant<256, 192, 2, 1, false>)
+RLK_ENTRY(34, "coop256x192_c2x1 (shipped for some N)", false, Cooperative256x192)
+// Narrower 256-row tiles: 160 columns cut gate_up (N=28672) into 180 tiles
+// a row (21.8 waves of 132 against 27.2 for 128x256), 176 into 163.
+RLK_ENTRY(35, "coop256x160_c1x2", false, Variant<256, 160, 1, 2, false>)
+RLK_ENTRY(36, "coop256x160_c2x1", false, Variant<256, 160, 2, 1, false>)
+RLK_ENTRY(37, "coop256x176_c2x1", false, Variant<256, 176, 2, 1, false>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;

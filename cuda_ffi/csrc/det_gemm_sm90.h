@@ -49,7 +49,8 @@ enum class GemmConfig : int {
   kPingpong64x32 = 3,       // decode with few output columns: enough tiles
   kPingpong64x64 = 4,       // to keep several SMs streaming the weight
   kSwapPingpong64x32 = 5,   // decode rows: C^T = B^T A^T, 64 columns x 32 rows
-  kLastConfig = kSwapPingpong64x32,
+  kCooperative256x192 = 6,  // 2x1 cluster: large products, N in 192s
+  kLastConfig = kCooperative256x192,
 };
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
