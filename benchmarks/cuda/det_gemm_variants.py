@@ -131,10 +131,9 @@ def main(argv):
   directory = argv[1]
   only = set(map(int, argv[2].split(","))) if len(argv) > 2 else None
   shapes = argv[3].split(",") if len(argv) > 3 else list(SHAPES)
-  paths = sorted(glob.glob(os.path.join(directory, "variant_*.so")),
-                 key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0]))
-  chosen = [p for p in paths
-            if only is None or int(p.rsplit("_", 1)[1].split(".")[0]) in only]
+  index = lambda path: int(path.rsplit("_", 1)[1].split(".")[0])
+  paths = sorted(glob.glob(os.path.join(directory, "variant_*.so")), key=index)
+  chosen = [p for p in paths if only is None or index(p) in only]
   variants = [Variant(p) for p in chosen]
   names = [v.name for v in variants]
   for v, path in zip(variants, chosen):  # two builds of one entry: tell apart

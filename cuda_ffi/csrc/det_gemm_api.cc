@@ -292,7 +292,7 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 }
 
 // The instantiation an auto call picks on the current device (a GemmConfig
-// code, 1-5), so tests and benchmarks can name what ran.
+// code), so tests and benchmarks can name what ran.
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
   return static_cast<int>(
       rlk::ChooseConfig(m, n, rlk::CurrentDeviceInfo().sm_count));
