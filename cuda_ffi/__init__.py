@@ -33,7 +33,7 @@ PACK_ROWS_TARGET = "rlk_pack_rows"
 # shape. Every config gives the same bits (device-tested).
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "pingpong_64x32": 3, "pingpong_64x64": 4, "swap_pingpong_64x32": 5,
-           "cooperative_256x192": 6}
+           "cooperative_256x192": 6, "split_256x192_128x256": 7}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N
@@ -97,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
       ctypes.POINTER(ctypes.c_char_p)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64]
+  lib.rlk_det_gemm_sm90_split_columns.restype = i64
+  lib.rlk_det_gemm_sm90_split_columns.argtypes = [i64, i64]
   lib.rlk_pack_info_scratch_bytes.restype = i64
   lib.rlk_pack_info_scratch_bytes.argtypes = [i64]
   lib.rlk_pack_rows.restype = ctypes.c_char_p
@@ -180,6 +182,12 @@ def chosen_config(m: int, n: int) -> str:
   """The instantiation an ``auto`` call of this shape runs on this GPU."""
   code = library().rlk_det_gemm_sm90_choose_config(m, n)
   return {v: k for k, v in CONFIGS.items()}[code]
+
+
+def split_columns(m: int, n: int) -> int:
+  """The output columns a ``split_256x192_128x256`` call of this shape gives
+  its 256x192 kernel on this GPU (the rest go to 128x256); 0 when N <= 192."""
+  return int(library().rlk_det_gemm_sm90_split_columns(m, n))
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 // problem the same way and launch the same kernels, so they give the same
 // bits for the same inputs. The FFI handler is command-buffer compatible
 // (ffi_traits.h): its workspace is an XLA-allocated result.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -20,6 +21,48 @@ namespace rlk {
 // The rows of a decode step, and those few enough for the swapped tile.
 constexpr int64_t kMaxDecodeRows = 64;
 constexpr int64_t kMaxSwapRows = 32;
+
+namespace {
+
+// The tile slots a persistent grid of bm x bn tiles (2x1 clusters) spends on
+// an m x n output: waves x SMs x tile area, M tiles paired for the cluster.
+// Each tile costs its whole area whatever it covers, so the slots beyond
+// m x n are the waste: the empty slots of the last wave and the padding of
+// ragged edge tiles.
+int64_t TileSlots(int64_t m, int64_t n, int64_t bm, int64_t bn, int sm_count) {
+  if (n <= 0) return 0;
+  int64_t rows = (m + bm - 1) / bm;
+  rows += rows % 2;
+  const int64_t waves =
+      (rows * ((n + bn - 1) / bn) + sm_count - 1) / sm_count;
+  return waves * sm_count * bm * bn;
+}
+
+}  // namespace
+
+int64_t SplitColumns(int64_t m, int64_t n, int sm_count) {
+  const int64_t max_blocks = (n - 1) / 192;  // leaves 128x256 >= 1 column
+  if (max_blocks < 1 || m < 1) return 0;
+  int64_t rows = (m + 255) / 256;
+  rows += rows % 2;
+  // For a given number of waves of 256x192, the widest block costs its
+  // kernel nothing more and leaves the least to 128x256: only the widest
+  // block of each wave count is a candidate. Ties go to the wider block.
+  int64_t best_columns = 0, best_slots = 0;
+  const int64_t max_waves = (rows * max_blocks + sm_count - 1) / sm_count;
+  for (int64_t waves = 1; waves <= max_waves; ++waves) {
+    const int64_t blocks = std::min(max_blocks, waves * sm_count / rows);
+    if (blocks < 1) continue;
+    const int64_t columns = 192 * blocks;
+    const int64_t slots = TileSlots(m, columns, 256, 192, sm_count) +
+                          TileSlots(m, n - columns, 128, 256, sm_count);
+    if (best_columns == 0 || slots <= best_slots) {
+      best_columns = columns;
+      best_slots = slots;
+    }
+  }
+  return best_columns;
+}
 
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
   // K is never split, whatever the shape: that would change the bits.
@@ -50,26 +93,36 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
     if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
     return GemmConfig::kPingpong64x32;
   }
-  // Large products: 128x256 once its tiles fill a wave, or 256x192 where
-  // that leaves no more empty tile slots. A persistent grid computes whole
-  // tiles in waves of sm_count; the slots of its last wave left empty, and
-  // the padding of ragged edge tiles, are its waste. 256x192 runs a tile's
-  // worth of work 2-4% faster on the H100 (its comment in
-  // det_gemm_kernels.cu) but fits fewer shapes: it takes qkv (N=6144; the
-  // same waste as 128x256) and lm_head (N=128256; less), not gate_up
-  // (N=28672), o or down (N=4096), where its last wave or edge tiles waste
-  // 2-11% more.
+  // Large products: 128x256 once its tiles fill a wave, 256x192 where that
+  // leaves no more empty tile slots (TileSlots), or both, one column block
+  // each, where that leaves clearly fewer. 256x192 runs a tile's worth of
+  // work 2-4% faster on the H100 (its comment in det_gemm_kernels.cu) but
+  // fits fewer shapes alone: it takes qkv (N=6144; the same waste as
+  // 128x256) and lm_head (N=128256; less), not o or down (N=4096), where its
+  // last wave or edge tiles waste 2-11% more.
+  //
+  // The split's second kernel starts behind the first one's last wave, so
+  // it pays only where it saves slots: at equal slots (o, N=4096: 256x192
+  // on 3072 columns, 128x256 on 1024) it ran 2% slower than 128x256 alone;
+  // at 1.8-17% fewer it ran 1-16% faster on every shape tried (gate_up
+  // N=28672 1-4%, N=11008 and N=14336 at M=2048..8192 2-11%, M=2048 N=5120
+  // 16%; benchmarks/cuda/det_gemm_split_probe.py, two machines).
   if (tiles(128, 256) >= sm_count) {
-    auto slot_area = [&](int64_t bm, int64_t bn) {
-      int64_t rows = (m + bm - 1) / bm;
-      rows += rows % 2;  // 2x1 clusters: M tiles go in pairs
-      const int64_t waves =
-          (rows * ((n + bn - 1) / bn) + sm_count - 1) / sm_count;
-      return waves * sm_count * bm * bn;
-    };
-    return slot_area(256, 192) <= slot_area(128, 256)
-               ? GemmConfig::kCooperative256x192
-               : GemmConfig::kCooperative128x256;
+    const int64_t wide = TileSlots(m, n, 128, 256, sm_count);
+    const int64_t tall = TileSlots(m, n, 256, 192, sm_count);
+    const int64_t columns = SplitColumns(m, n, sm_count);
+    if (columns > 0) {
+      const int64_t split = TileSlots(m, columns, 256, 192, sm_count) +
+                            TileSlots(m, n - columns, 128, 256, sm_count);
+      // In double: the slot counts of the largest legal products overflow
+      // int64 when scaled.
+      if (static_cast<double>(split) <=
+          0.985 * static_cast<double>(std::min(wide, tall))) {
+        return GemmConfig::kSplit256x192And128x256;
+      }
+    }
+    return tall <= wide ? GemmConfig::kCooperative256x192
+                        : GemmConfig::kCooperative128x256;
   }
   // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
   return 2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
@@ -130,9 +183,8 @@ std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
   return "";
 }
 
-LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
-                    GemmConfig config, size_t* workspace_needed) {
-  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
+LaunchStatus LaunchOne(bool ta, bool tb, bool out_f32, const GemmProblem& p,
+                       GemmConfig config, size_t* workspace_needed) {
 #define RLK_CASE(TA, TB, F32)                                       \
   if (ta == TA && tb == TB && out_f32 == F32)                       \
     return LaunchGemm<TA, TB, F32>(p, config, workspace_needed);
@@ -142,6 +194,53 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
   RLK_CASE(true, true, false) RLK_CASE(true, true, true)
 #undef RLK_CASE
   return {false, "unreachable layout"};
+}
+
+// Columns [0, SplitColumns) with 256x192, the rest with 128x256, on one
+// stream. Each output element is still computed whole by one tile, K in
+// order, so the bits are either config's (the device tests run this as a
+// config of its own). The second kernel reads nothing the first writes, but
+// it launches with PDL like any other and so waits for the first before its
+// first load: ordering stays the one rule every kernel here follows, and
+// the cost, the first kernel's tail, is inside the measured gain.
+LaunchStatus LaunchSplit(bool ta, bool tb, bool out_f32, const GemmProblem& p,
+                         size_t* workspace_needed) {
+  const int64_t columns = SplitColumns(p.m, p.n, p.sm_count);
+  GemmProblem left = p, right = p;
+  left.n = columns;
+  right.n = p.n - columns;
+  // B [K, N] and C [M, N]: a column block keeps the product's row pitch.
+  // B stored [N, K]: a column block of the product is a block of B's rows,
+  // itself densely packed.
+  left.b_pitch = right.b_pitch = tb ? 0 : p.n;
+  left.c_pitch = right.c_pitch = p.n;
+  const int64_t b_offset = (tb ? columns * p.k : columns) * 2;  // bf16
+  if (p.b != nullptr) right.b = static_cast<const char*>(p.b) + b_offset;
+  if (p.c != nullptr) {
+    right.c = static_cast<char*>(p.c) + columns * (out_f32 ? 4 : 2);
+  }
+  size_t left_needs = 0, right_needs = 0;
+  if (columns > 0) {
+    const LaunchStatus status = LaunchOne(
+        ta, tb, out_f32, left, GemmConfig::kCooperative256x192, &left_needs);
+    if (!status.ok) return status;
+  }
+  const LaunchStatus status = LaunchOne(
+      ta, tb, out_f32, right, GemmConfig::kCooperative128x256, &right_needs);
+  // One after the other on the stream: they may share one workspace.
+  if (workspace_needed != nullptr) {
+    *workspace_needed = std::max(left_needs, right_needs);
+  }
+  return status;
+}
+
+LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
+                    GemmConfig config, size_t* workspace_needed) {
+  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
+  if (config == GemmConfig::kSplit256x192And128x256) {
+    return LaunchSplit(ta, tb, out_f32, p, workspace_needed);
+  }
+  return LaunchOne(ta, tb, out_f32, p, config, workspace_needed);
 }
 
 ffi::Error DetGemmFfi(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -296,6 +395,13 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
   return static_cast<int>(
       rlk::ChooseConfig(m, n, rlk::CurrentDeviceInfo().sm_count));
+}
+
+// The columns a kSplit256x192And128x256 call (forced, or auto where
+// ChooseConfig picks it) gives its 256x192 kernel on the current device; 0
+// when N <= 192.
+int64_t rlk_det_gemm_sm90_split_columns(int64_t m, int64_t n) {
+  return rlk::SplitColumns(m, n, rlk::CurrentDeviceInfo().sm_count);
 }
 
 }  // extern "C"

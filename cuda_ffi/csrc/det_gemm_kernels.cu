@@ -175,6 +175,19 @@ struct Gemm {
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// Gives a packed CuTe stride of a 2-D operand the row pitch of a larger
+// matrix: the pitch is whichever of the first two modes is not the static 1.
+template <class Stride>
+void SetPitch(Stride& stride, int64_t pitch) {
+  if (pitch == 0) return;  // packed
+  using First = cute::remove_cvref_t<decltype(cute::get<0>(stride))>;
+  if constexpr (cute::is_static<First>::value) {
+    cute::get<1>(stride) = pitch;
+  } else {
+    cute::get<0>(stride) = pitch;
+  }
+}
+
 template <class G>
 LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
   using Device = typename G::Device;
@@ -191,6 +204,13 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
                                                    cute::make_shape(n, k, 1));
   auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{},
                                                    cute::make_shape(m, n, 1));
+  // Our B is CUTLASS's A when swapped; our C is its D either way.
+  if constexpr (G::kSwapAB) {
+    SetPitch(stride_a, p.b_pitch);
+  } else {
+    SetPitch(stride_b, p.b_pitch);
+  }
+  SetPitch(stride_d, p.c_pitch);
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = p.sm_count;

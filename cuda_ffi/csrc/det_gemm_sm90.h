@@ -36,6 +36,11 @@ struct GemmProblem {
   // waits for that kernel to finish and flush (griddepcontrol.wait, which
   // det_gemm_kernels.cu compiles in). Scheduling only: the bits never move.
   bool pdl = true;
+  // Elements between consecutive stored rows of B and of C; 0 = densely
+  // packed. A column block of a larger product (kSplit256x192And128x256)
+  // keeps the whole product's row pitch.
+  int64_t b_pitch = 0;
+  int64_t c_pitch = 0;
 };
 
 // Kernel instantiations. Every one walks K in order, one 64-wide K tile after
@@ -50,12 +55,20 @@ enum class GemmConfig : int {
   kPingpong64x64 = 4,       // to keep several SMs streaming the weight
   kSwapPingpong64x32 = 5,   // decode rows: C^T = B^T A^T, 64 columns x 32 rows
   kCooperative256x192 = 6,  // 2x1 cluster: large products, N in 192s
-  kLastConfig = kCooperative256x192,
+  // Two kernels, one after the other: the first SplitColumns(m, n) columns
+  // with 256x192 tiles, the rest with 128x256, so that neither persistent
+  // grid ends on a mostly empty wave.
+  kSplit256x192And128x256 = 7,
+  kLastConfig = kSplit256x192And128x256,
 };
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
 GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count);
+
+// The columns kSplit256x192And128x256 gives its 256x192 kernel: a multiple
+// of 192, less than n (0 when n <= 192: the 128x256 kernel takes all).
+int64_t SplitColumns(int64_t m, int64_t n, int sm_count);
 
 // Status of a launch: ok, or a message (never a silent wrong answer).
 struct LaunchStatus {
