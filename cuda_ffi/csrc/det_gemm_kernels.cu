@@ -54,7 +54,8 @@ struct Cooperative128x256 {
 };
 
 // Large products whose N splits into whole 192-column tiles with a last wave
-// as full as 128x256's (ChooseConfig). Each consumer warpgroup holds a
+// as full as 128x256's (ChooseConfig), and the first column block of a
+// kSplit256x192And128x256 product. Each consumer warpgroup holds a
 // 128x192 accumulator (192 f32 registers; ptxas spills none), and with B
 // shared across the 2x1 cluster a CTA reads 0.90 bytes from L2 per output
 // per K tile against 0.98 for 128x256. On the H100, in interleaved rounds
