@@ -96,7 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
       ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64,
       ctypes.POINTER(ctypes.c_char_p)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
-  lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64]
+  lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64, i64]
   lib.rlk_det_gemm_sm90_split_columns.restype = i64
   lib.rlk_det_gemm_sm90_split_columns.argtypes = [i64, i64]
   lib.rlk_pack_info_scratch_bytes.restype = i64
@@ -178,10 +178,10 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
               raster=np.int64(raster))[0]
 
 
-def chosen_config(m: int, n: int) -> str:
+def chosen_config(m: int, n: int, k: int) -> str:
   """The instantiation an ``auto`` call of this shape runs on this GPU."""
-  code = library().rlk_det_gemm_sm90_choose_config(m, n)
-  return {v: k for k, v in CONFIGS.items()}[code]
+  code = library().rlk_det_gemm_sm90_choose_config(m, n, k)
+  return {code_: name for name, code_ in CONFIGS.items()}[code]
 
 
 def split_columns(m: int, n: int) -> int:

@@ -1,7 +1,13 @@
 """Probes column splits of one product over two det_gemm variants (H100
 experiment, not part of the library).
 
-    PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_split_probe.py <dir with variant_*.so>
+    PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_split_probe.py <dir with variant_*.so> \
+        [gate_up,o,... | MxKxN,...]
+
+RLK_ROUNDS and RLK_CALLS set the rounds and the calls a sample (41 and 20
+gave repeatable ratios at M=4096; 9 and 10 did not); RLK_GRAPH=1 replays
+CUDA graphs of the calls instead of a loop, which small products need: a
+loop of CUTLASS launches is host-bound (a split call makes two).
 
 A persistent grid wastes the empty slots of its last wave: gate_up's 3584
 tiles of 128x256 fill 27.15 waves of 132 SMs and take 28. Computing some
@@ -53,7 +59,8 @@ def slots(bm, bn, m, n):
 def rule_split(m, n):
   """The columns for 256x192 that leave the fewest tile slots of the two
   kernels (ties: more 256x192), and those slots over the best single
-  config's."""
+  config's: the slot part of the library's rule (SplitColumns and
+  ChooseConfig, which also wants K >= 2048), whatever K is here."""
   best = None
   for groups in range(1, (n - 1) // 192 + 1):
     s = slots(256, 192, m, 192 * groups) + slots(128, 256, m, n - 192 * groups)
@@ -115,8 +122,10 @@ def main(argv):
     if not torch.equal(v34_out.view(torch.int16), ref):
       raise SystemExit(f"{shape}: v34 bits differ from v0")
     print(f"  before: {dv.gpu_state()}", flush=True)
+    # RLK_GRAPH=1: replays of a CUDA graph of the calls, so host launch
+    # cost (two CUTLASS launches a split call) stays out of small products.
     times = dv.time_interleaved(impls, [(a, b, c) for a in a_sets],
-                                graph=False)
+                                graph=os.environ.get("RLK_GRAPH") == "1")
     print(f"  after:  {dv.gpu_state()}", flush=True)
     flops = 2 * m * k * n
     for name, ms in times.items():

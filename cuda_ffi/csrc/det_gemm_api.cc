@@ -64,7 +64,7 @@ int64_t SplitColumns(int64_t m, int64_t n, int sm_count) {
   return best_columns;
 }
 
-GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
+GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
   // K is never split, whatever the shape: that would change the bits.
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
@@ -96,7 +96,8 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
   // Large products: 128x256 once its tiles fill a wave, 256x192 where that
   // leaves no more empty tile slots (TileSlots), or both, one column block
   // each, where that leaves clearly fewer. 256x192 runs a tile's worth of
-  // work 2-4% faster on the H100 (its comment in det_gemm_kernels.cu) but
+  // work 2-4% faster on the H100 at K=4096 (its comment in
+  // det_gemm_kernels.cu) but
   // fits fewer shapes alone: it takes qkv (N=6144; the same waste as
   // 128x256) and lm_head (N=128256; less), not o or down (N=4096), where its
   // last wave or edge tiles waste 2-11% more.
@@ -107,7 +108,16 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count) {
   // at 1.8-17% fewer it ran 1-16% faster on every shape tried (gate_up
   // N=28672 1-4%, N=11008 and N=14336 at M=2048..8192 2-11%, M=2048 N=5120
   // 16%; benchmarks/cuda/det_gemm_split_probe.py, two machines).
+  //
+  // Both need K of 2048 or more. 256x192's advantage is in its mainloop;
+  // with few K tiles its epilogue (CUTLASS's small default subtile) and
+  // prologue weigh more, and it ran 1.5-2% slower than 128x256 at K=512
+  // and 1024 where both waste the same slots (M=4096 N=6144; N=128256
+  // alike), 1% faster at 2048; the gate_up split lost 1.5% at K=1024 and 8%
+  // at K=256, and broke even at 2048 (CUDA-graph replays, two runs each).
+  constexpr int64_t kMinTallK = 2048;
   if (tiles(128, 256) >= sm_count) {
+    if (k < kMinTallK) return GemmConfig::kCooperative128x256;
     const int64_t wide = TileSlots(m, n, 128, 256, sm_count);
     const int64_t tall = TileSlots(m, n, 256, 192, sm_count);
     const int64_t columns = SplitColumns(m, n, sm_count);
@@ -236,7 +246,7 @@ LaunchStatus LaunchSplit(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 
 LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
                     GemmConfig config, size_t* workspace_needed) {
-  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.sm_count);
+  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.k, p.sm_count);
   if (config == GemmConfig::kSplit256x192And128x256) {
     return LaunchSplit(ta, tb, out_f32, p, workspace_needed);
   }
@@ -392,9 +402,9 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 
 // The instantiation an auto call picks on the current device (a GemmConfig
 // code), so tests and benchmarks can name what ran.
-int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n) {
+int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n, int64_t k) {
   return static_cast<int>(
-      rlk::ChooseConfig(m, n, rlk::CurrentDeviceInfo().sm_count));
+      rlk::ChooseConfig(m, n, k, rlk::CurrentDeviceInfo().sm_count));
 }
 
 // The columns a kSplit256x192And128x256 call (forced, or auto where

@@ -61,7 +61,9 @@ struct Cooperative128x256 {
 // per K tile against 0.98 for 128x256. On the H100, in interleaved rounds
 // against cuBLAS on two machines, it ran qkv (4096x4096x6144) 2.2% and 4.1%
 // faster than 128x256, lm_head (N=128256) 2.9% and 2.0% faster
-// (benchmarks/cuda/det_gemm_variants.py, variant 34). CUTLASS's default
+// (benchmarks/cuda/det_gemm_variants.py, variant 34); at K <= 1024, where
+// its epilogue weighs more, 1.5-2% slower, so ChooseConfig takes it only
+// from K=2048. CUTLASS's default
 // epilogue subtile: 128x256 bytes of subtile would leave two mainloop
 // stages of 56 KB, not three.
 struct Cooperative256x192 {

@@ -64,7 +64,7 @@ enum class GemmConfig : int {
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
-GemmConfig ChooseConfig(int64_t m, int64_t n, int sm_count);
+GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count);
 
 // The columns kSplit256x192And128x256 gives its 256x192 kernel: a multiple
 // of 192, less than n (0 when n <= 192: the 128x256 kernel takes all).
