@@ -49,11 +49,12 @@ def _initial_stats(bm):
           jnp.zeros((bm,), jnp.float32), jnp.zeros((bm,), jnp.float32))
 
 
-def finish(stats, targets, v):
+def finish(stats, targets, v, log=jnp.log):
   """(logp, lse, entropy) from the final running stats; a target outside
-  [0, V) gives log-prob 0."""
+  [0, V) gives log-prob 0. Outside a kernel, callers pass a `log` whose bits
+  do not depend on the number of rows (rlk_jax.reference.rowwise)."""
   m, s, picked, weighted = stats
-  lse = m + jnp.log(s)
+  lse = m + log(s)
   valid = (targets >= 0) & (targets < v)
   return jnp.where(valid, picked - lse, 0.0), lse, lse - weighted / s
 

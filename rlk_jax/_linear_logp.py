@@ -49,7 +49,14 @@ def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
                                 implementation="cuda_ffi")
     stats = logp_kernel.update_stats(logits, targets - c0, stats,
                                      temperature=temperature)
-  return logp_kernel.finish(stats, targets, v)
+  return finish_rows(stats, targets, v)
+
+
+def finish_rows(stats, targets, v):
+  """(logp, lse, entropy) of the folded stats outside a kernel, each row's
+  bits independent of the number of rows on every backend."""
+  return logp_kernel.finish(stats, targets, v,
+                            log=functools.partial(reference.rowwise, jnp.log))
 
 
 def _sm90_operands(n, h, v, dtype, chunk_size):
