@@ -24,31 +24,37 @@ constexpr int64_t kMaxSwapRows = 32;
 
 namespace {
 
+// Tile rows of bm over m rows, paired for the 2x1 cluster both large configs
+// use (a cluster's CTAs take neighbouring M tiles).
+int64_t PairedRows(int64_t m, int64_t bm) {
+  const int64_t rows = (m + bm - 1) / bm;
+  return rows + rows % 2;
+}
+
 // The tile slots a persistent grid of bm x bn tiles (2x1 clusters) spends on
-// an m x n output: waves x SMs x tile area, M tiles paired for the cluster.
-// Each tile costs its whole area whatever it covers, so the slots beyond
-// m x n are the waste: the empty slots of the last wave and the padding of
-// ragged edge tiles.
+// an m x n output: waves x SMs x tile area. Each tile costs its whole area
+// whatever it covers, so the slots beyond m x n are the waste: the empty
+// slots of the last wave and the padding of ragged edge tiles.
 int64_t TileSlots(int64_t m, int64_t n, int64_t bm, int64_t bn, int sm_count) {
   if (n <= 0) return 0;
-  int64_t rows = (m + bm - 1) / bm;
-  rows += rows % 2;
   const int64_t waves =
-      (rows * ((n + bn - 1) / bn) + sm_count - 1) / sm_count;
+      (PairedRows(m, bm) * ((n + bn - 1) / bn) + sm_count - 1) / sm_count;
   return waves * sm_count * bm * bn;
 }
 
-}  // namespace
+struct Split {
+  int64_t columns = 0;  // given to 256x192; 0: no split possible
+  int64_t slots = 0;    // of both grids
+};
 
-int64_t SplitColumns(int64_t m, int64_t n, int sm_count) {
+Split BestSplit(int64_t m, int64_t n, int sm_count) {
+  Split best;
   const int64_t max_blocks = (n - 1) / 192;  // leaves 128x256 >= 1 column
-  if (max_blocks < 1 || m < 1) return 0;
-  int64_t rows = (m + 255) / 256;
-  rows += rows % 2;
+  if (max_blocks < 1 || m < 1) return best;
+  const int64_t rows = PairedRows(m, 256);
   // For a given number of waves of 256x192, the widest block costs its
   // kernel nothing more and leaves the least to 128x256: only the widest
   // block of each wave count is a candidate. Ties go to the wider block.
-  int64_t best_columns = 0, best_slots = 0;
   const int64_t max_waves = (rows * max_blocks + sm_count - 1) / sm_count;
   for (int64_t waves = 1; waves <= max_waves; ++waves) {
     const int64_t blocks = std::min(max_blocks, waves * sm_count / rows);
@@ -56,15 +62,19 @@ int64_t SplitColumns(int64_t m, int64_t n, int sm_count) {
     const int64_t columns = 192 * blocks;
     const int64_t slots = TileSlots(m, columns, 256, 192, sm_count) +
                           TileSlots(m, n - columns, 128, 256, sm_count);
-    if (best_columns == 0 || slots <= best_slots) {
-      best_columns = columns;
-      best_slots = slots;
-    }
+    if (best.columns == 0 || slots <= best.slots) best = {columns, slots};
   }
-  return best_columns;
+  return best;
 }
 
-GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
+// A config, and for kSplit256x192And128x256 its 256x192 columns, so the
+// launch does not search the split again.
+struct Plan {
+  GemmConfig config;
+  int64_t split_columns = 0;
+};
+
+Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
   // K is never split, whatever the shape: that would change the bits.
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
@@ -81,7 +91,7 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
   // 64x64), 0.99-1.08x at 1024 (0.72-0.89x, 64x32), 1.00x at 128256 (0.63x,
   // 128x256). M=16 and 32: 0.95-1.28x, ahead of every tile measured or
   // within 3% of the best.
-  if (m <= kMaxSwapRows) return GemmConfig::kSwapPingpong64x32;
+  if (m <= kMaxSwapRows) return {GemmConfig::kSwapPingpong64x32};
   if (m <= kMaxDecodeRows) {
     // 33-64 rows, one 64-row tile deep: a CTA takes about the same time
     // whatever its width, so the widest ping-pong tile that still gives
@@ -89,18 +99,21 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
     // 0.97-1.01x), 64x128 at 14336 (0.97-0.98x, 64x64 alike), 64x32 at 2048
     // and 1024 (earlier runs: 0.96x, 64x64 0.92x).
     constexpr int64_t kMinStreamingTiles = 64;
-    if (tiles(64, 128) >= kMinStreamingTiles) return GemmConfig::kPingpong64x128;
-    if (tiles(64, 64) >= kMinStreamingTiles) return GemmConfig::kPingpong64x64;
-    return GemmConfig::kPingpong64x32;
+    if (tiles(64, 128) >= kMinStreamingTiles) {
+      return {GemmConfig::kPingpong64x128};
+    }
+    if (tiles(64, 64) >= kMinStreamingTiles) {
+      return {GemmConfig::kPingpong64x64};
+    }
+    return {GemmConfig::kPingpong64x32};
   }
   // Large products: 128x256 once its tiles fill a wave, 256x192 where that
   // leaves no more empty tile slots (TileSlots), or both, one column block
   // each, where that leaves clearly fewer. 256x192 runs a tile's worth of
   // work 2-4% faster on the H100 at K=4096 (its comment in
-  // det_gemm_kernels.cu) but
-  // fits fewer shapes alone: it takes qkv (N=6144; the same waste as
-  // 128x256) and lm_head (N=128256; less), not o or down (N=4096), where its
-  // last wave or edge tiles waste 2-11% more.
+  // det_gemm_kernels.cu) but fits fewer shapes alone: it takes qkv (N=6144;
+  // the same waste as 128x256) and lm_head (N=128256; less), not o or down
+  // (N=4096), where its last wave or edge tiles waste 2-11% more.
   //
   // The split's second kernel starts behind the first one's last wave, so
   // it pays only where it saves slots: at equal slots (o, N=4096: 256x192
@@ -117,26 +130,33 @@ GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
   // at K=256, and broke even at 2048 (CUDA-graph replays, two runs each).
   constexpr int64_t kMinTallK = 2048;
   if (tiles(128, 256) >= sm_count) {
-    if (k < kMinTallK) return GemmConfig::kCooperative128x256;
+    if (k < kMinTallK) return {GemmConfig::kCooperative128x256};
     const int64_t wide = TileSlots(m, n, 128, 256, sm_count);
     const int64_t tall = TileSlots(m, n, 256, 192, sm_count);
-    const int64_t columns = SplitColumns(m, n, sm_count);
-    if (columns > 0) {
-      const int64_t split = TileSlots(m, columns, 256, 192, sm_count) +
-                            TileSlots(m, n - columns, 128, 256, sm_count);
-      // In double: the slot counts of the largest legal products overflow
-      // int64 when scaled.
-      if (static_cast<double>(split) <=
-          0.985 * static_cast<double>(std::min(wide, tall))) {
-        return GemmConfig::kSplit256x192And128x256;
-      }
+    const Split split = BestSplit(m, n, sm_count);
+    // In double: the slot counts of the largest legal products overflow
+    // int64 when scaled.
+    if (split.columns > 0 &&
+        static_cast<double>(split.slots) <=
+            0.985 * static_cast<double>(std::min(wide, tall))) {
+      return {GemmConfig::kSplit256x192And128x256, split.columns};
     }
-    return tall <= wide ? GemmConfig::kCooperative256x192
-                        : GemmConfig::kCooperative128x256;
+    return {tall <= wide ? GemmConfig::kCooperative256x192
+                         : GemmConfig::kCooperative128x256};
   }
   // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
-  return 2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
-                                        : GemmConfig::kPingpong64x32;
+  return {2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
+                                         : GemmConfig::kPingpong64x32};
+}
+
+}  // namespace
+
+int64_t SplitColumns(int64_t m, int64_t n, int sm_count) {
+  return BestSplit(m, n, sm_count).columns;
+}
+
+GemmConfig ChooseConfig(int64_t m, int64_t n, int64_t k, int sm_count) {
+  return ChoosePlan(m, n, k, sm_count).config;
 }
 
 namespace {
@@ -206,7 +226,7 @@ LaunchStatus LaunchOne(bool ta, bool tb, bool out_f32, const GemmProblem& p,
   return {false, "unreachable layout"};
 }
 
-// Columns [0, SplitColumns) with 256x192, the rest with 128x256, on one
+// Columns [0, columns) with 256x192, the rest with 128x256, on one
 // stream. Each output element is still computed whole by one tile, K in
 // order, so the bits are either config's (the device tests run this as a
 // config of its own). The second kernel reads nothing the first writes, but
@@ -214,8 +234,7 @@ LaunchStatus LaunchOne(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 // first load: ordering stays the one rule every kernel here follows, and
 // the cost, the first kernel's tail, is inside the measured gain.
 LaunchStatus LaunchSplit(bool ta, bool tb, bool out_f32, const GemmProblem& p,
-                         size_t* workspace_needed) {
-  const int64_t columns = SplitColumns(p.m, p.n, p.sm_count);
+                         int64_t columns, size_t* workspace_needed) {
   GemmProblem left = p, right = p;
   left.n = columns;
   right.n = p.n - columns;
@@ -246,11 +265,17 @@ LaunchStatus LaunchSplit(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 
 LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
                     GemmConfig config, size_t* workspace_needed) {
-  if (config == GemmConfig::kAuto) config = ChooseConfig(p.m, p.n, p.k, p.sm_count);
-  if (config == GemmConfig::kSplit256x192And128x256) {
-    return LaunchSplit(ta, tb, out_f32, p, workspace_needed);
+  Plan plan{config};
+  if (config == GemmConfig::kAuto) {
+    plan = ChoosePlan(p.m, p.n, p.k, p.sm_count);
+  } else if (config == GemmConfig::kSplit256x192And128x256) {
+    plan.split_columns = SplitColumns(p.m, p.n, p.sm_count);
   }
-  return LaunchOne(ta, tb, out_f32, p, config, workspace_needed);
+  if (plan.config == GemmConfig::kSplit256x192And128x256) {
+    return LaunchSplit(ta, tb, out_f32, p, plan.split_columns,
+                       workspace_needed);
+  }
+  return LaunchOne(ta, tb, out_f32, p, plan.config, workspace_needed);
 }
 
 ffi::Error DetGemmFfi(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
