@@ -19,7 +19,7 @@ from absl import app, flags
 
 from benchmarks import (bench_bridge, bench_det_gemm, bench_host,
                         bench_invariance, bench_logp, bench_pack,
-                        bench_scaling, harness)
+                        bench_scaling, bench_torch_ops, harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -30,11 +30,11 @@ ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "invariance": bench_invariance, "logp": bench_logp,
               "host": bench_host, "bridge": bench_bridge,
-              "scaling": bench_scaling}
+              "scaling": bench_scaling, "torch_ops": bench_torch_ops}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
-         "bridge": "rlk_jax", "scaling": "1_device"}
+         "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch"}
 
 
 def _default_out(smoke: bool) -> str:

@@ -1,10 +1,17 @@
-"""rlk for PyTorch: the same ops, kernels and bits as ``rlk_jax``, as
-``torch.autograd.Function``s over DLPack (zero-copy for contiguous tensors).
+"""rlk for PyTorch: the same ops, kernels and bits as ``rlk_jax``, as PyTorch
+operators (``torch.ops.rlk.*``: schema, fake kernel, autograd), so eager
+code, torch.compile, torch.export and CUDA graphs run them.
 
     c = rlk_torch_bridge.det_gemm(a, b)          # == rlk_jax.det_gemm, bitwise
     packed, info = rlk_torch_bridge.pack(x, mask)
     model = rlk_torch_bridge.replace_linear(model)  # nn.Linear -> DetLinear
     logp = rlk_torch_bridge.linear_logp(hidden, lm_head.weight, targets)
+    with rlk_torch_bridge.batch_invariant_mode():   # any model, unmodified
+      out = model(x)
+
+On an SM90 GPU det_gemm and pack run the CUDA kernels on torch's stream;
+elsewhere (and for other implementations) one jitted JAX call through
+DLPack (zero-copy for contiguous tensors).
 
 JAX would take 75% of the GPU's memory at start-up and starve torch in the
 same process; importing this package sets ``XLA_PYTHON_CLIENT_PREALLOCATE``
@@ -16,9 +23,12 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from rlk_torch_bridge.batch_invariant import (  # noqa: E402
+    batch_invariant_mode, disable, enable, is_enabled)
 from rlk_torch_bridge.functions import PackInfo, det_gemm, pack, unpack  # noqa: E402
 from rlk_torch_bridge.logp import linear_logp  # noqa: E402
 from rlk_torch_bridge.nn import DetLinear, replace_linear  # noqa: E402
 
-__all__ = ["DetLinear", "PackInfo", "det_gemm", "linear_logp", "pack",
+__all__ = ["DetLinear", "PackInfo", "batch_invariant_mode", "det_gemm",
+           "disable", "enable", "is_enabled", "linear_logp", "pack",
            "replace_linear", "unpack"]

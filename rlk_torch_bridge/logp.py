@@ -4,57 +4,10 @@ JAX op on the same device."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import torch
 
-import rlk_jax
-from rlk_torch_bridge._dlpack import (check_same_device, check_tensor,
-                                      platform_of, to_jax_all, to_torch_all)
-
-_STATIC = ("temperature", "chunk_size", "implementation")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _logp_vjp(hidden, weight_hv, targets, *, temperature, chunk_size,
-              implementation):
-  def f(h, w):
-    return rlk_jax.linear_logp(h, w, targets, temperature=temperature,
-                               chunk_size=chunk_size, return_entropy=True,
-                               implementation=implementation)
-  return jax.vjp(f, hidden, weight_hv)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _logp_forward(hidden, weight_hv, targets, *, temperature, chunk_size,
-                  implementation):
-  return rlk_jax.linear_logp(hidden, weight_hv, targets,
-                             temperature=temperature, chunk_size=chunk_size,
-                             return_entropy=True, implementation=implementation)
-
-
-@jax.jit
-def _apply(vjp, g_logp, g_entropy):
-  return vjp((g_logp, g_entropy))
-
-
-class _LinearLogp(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, hidden, weight, targets, kwargs):
-    (logp, entropy), ctx.vjp = _logp_vjp(
-        *to_jax_all(hidden, weight.t(), targets,
-                    one_computation=True), **kwargs)
-    return to_torch_all(logp, entropy)
-
-  @staticmethod
-  @torch.autograd.function.once_differentiable
-  def backward(ctx, g_logp, g_entropy):
-    grads = to_jax_all(g_logp, g_entropy, one_computation=True)
-    dh, dw_hv = to_torch_all(*_apply(ctx.vjp, *grads))
-    # The weight is [V, H]: its gradient is the [H, V] one transposed (a view).
-    return dh, dw_hv.t(), None, None
+from rlk_torch_bridge import _library, _logp_op
+from rlk_torch_bridge._dlpack import check_same_device, check_tensor
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
@@ -67,7 +20,8 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   ``[H, V]``: the bridge hands JAX a contiguous ``[H, V]`` copy, one weight
   read and write per call). `hidden` is ``[..., H]``, `targets` integer
   ``[...]`` (`ignore_index` gives 0 and no gradient). Gradients flow to
-  `hidden` and `weight`.
+  `hidden` and `weight`. Runs as the operators ``torch.ops.rlk.linear_logp``
+  and ``torch.ops.rlk.linear_logp_backward``.
   """
   for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
     check_tensor("linear_logp", name, t)
@@ -78,15 +32,19 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   if targets.dtype.is_floating_point or targets.dtype == torch.bool:
     raise TypeError(f"rlk_torch_bridge.linear_logp: targets must be integers, "
                     f"got {targets.dtype}.")
+  if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+    raise ValueError(f"rlk_jax.linear_logp: hidden {tuple(hidden.shape)} must "
+                     f"end in H={weight.shape[1]} of weight "
+                     f"{tuple(weight.shape)} ([V, H]).")
+  if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+    raise ValueError(f"rlk_jax.linear_logp: targets shape "
+                     f"{tuple(targets.shape)} must be hidden's leading shape "
+                     f"{tuple(hidden.shape[:-1])}.")
+  lead = hidden.shape[:-1]
   # Token ids fit int32; JAX without x64 has no int64.
   targets = torch.where(targets == ignore_index, -1, targets).to(torch.int32)
-  kwargs = dict(temperature=float(temperature), chunk_size=int(chunk_size),
-                implementation=rlk_jax.selected_implementation(
-                    "linear_logp", implementation, platform=platform_of(hidden)))
-  if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-    logp, entropy = _LinearLogp.apply(hidden, weight, targets, kwargs)
-  else:
-    logp, entropy = to_torch_all(*_logp_forward(
-        *to_jax_all(hidden, weight.t(), targets,
-                    one_computation=True), **kwargs))
+  logp, entropy, _ = _library.call(
+      _logp_op.FORWARD, hidden.reshape(-1, hidden.shape[-1]), weight,
+      targets.reshape(-1), float(temperature), int(chunk_size), implementation)
+  logp, entropy = logp.view(lead), entropy.view(lead)
   return (logp, entropy) if return_entropy else logp

@@ -1,0 +1,151 @@
+"""``rlk::det_mm``: rlk_jax's one det_gemm primitive, ``op(a) @ op(b)``, as a
+PyTorch operator.
+
+``det_mm(a, b, transpose_a, transpose_b, out_dtype, implementation)``: ``a``
+is ``[..., K]`` (or ``[K, M]`` stored transposed), ``b`` is ``[K, N]`` (or
+``[N, K]``). The forward and every backward product are calls of this op
+with the products and operands of rlk_jax's own VJP (``_det_gemm._matmul_bwd``),
+on the implementation the forward ran, so torch's gradients have JAX's bits.
+On an SM90 GPU ``cuda_ffi`` launches the CUTLASS kernels on torch's stream
+(capturable in CUDA graphs); every other implementation runs one jitted JAX
+call through DLPack.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import torch
+
+from rlk_jax import _det_gemm
+from rlk_torch_bridge import _library, _sm90
+from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
+                                      to_torch)
+
+SCHEMA = ("(Tensor a, Tensor b, bool transpose_a, bool transpose_b, "
+          "ScalarType out_dtype, str? implementation) -> Tensor")
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(a_shape: tuple, b_shape: tuple, transpose_a: bool,
+           transpose_b: bool, dtype: torch.dtype, b_dtype: torch.dtype,
+           out_dtype: torch.dtype, implementation: str | None,
+           platform: str) -> str:
+  """Checks a product (rlk_jax's checks and messages) and names the
+  implementation that runs it. Cached: it runs on every call."""
+  if not transpose_a:  # the forward: rlk_jax.det_gemm's own plan
+    return _det_gemm.plan(
+        _Spec(a_shape, jax_dtype(dtype)), _Spec(b_shape, jax_dtype(b_dtype)),
+        out_dtype=jax_dtype(out_dtype), implementation=implementation,
+        transpose_b=transpose_b, platform=platform).implementation
+  if len(a_shape) != 2 or len(b_shape) != 2:  # backward products only
+    raise ValueError(f"rlk::det_mm: a transposed product takes 2-D operands, "
+                     f"got a {a_shape} and b {b_shape}.")
+  return _det_gemm.TABLE.select(implementation, platform, operands=(
+      _det_gemm.product_operands(a_shape, b_shape, True, transpose_b,
+                                 jax_dtype(dtype), jax_dtype(out_dtype)))).name
+
+
+class _Spec:
+  """Shape and JAX dtype: all rlk_jax's plan reads of an operand."""
+
+  def __init__(self, shape, dtype):
+    self.shape, self.dtype = shape, dtype
+
+
+def _dims(a_shape, b_shape, transpose_a, transpose_b):
+  """(leading shape of the result, K, N)."""
+  lead = (a_shape[1],) if transpose_a else tuple(a_shape[:-1])
+  k = a_shape[0] if transpose_a else a_shape[-1]
+  n = b_shape[0] if transpose_b else b_shape[1]
+  return lead, k, n
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _jax_product(implementation, transpose_a, transpose_b, out_dtype, a, b):
+  # rlk_jax's primitive itself (its custom_vjp forward): the JAX op's bits.
+  return _det_gemm._matmul(implementation, transpose_a, transpose_b, out_dtype,
+                           a, b)
+
+
+def _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation):
+  return choose(_library.sizes(a), _library.sizes(b), transpose_a, transpose_b,
+                a.dtype, b.dtype, out_dtype, implementation, platform_of(a))
+
+
+def _kernel(a, b, transpose_a, transpose_b, out_dtype, implementation):
+  lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+  m = math.prod(lead)
+  if not (m and n and k):
+    # An empty product (a backward over zero rows, say): the reference
+    # checks the call; the result is exactly zero (an empty sum) or empty.
+    _choose_for(a, b, transpose_a, transpose_b, out_dtype, "xla")
+    return a.new_zeros((*lead, n), dtype=out_dtype)
+  impl = _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
+  a2d = a if transpose_a else a.reshape(m, k)
+  if impl == "cuda_ffi" and a.is_cuda:
+    return _sm90.product(a2d, b, transpose_a, transpose_b, out_dtype
+                         ).view(*lead, n)
+  _library.refuse_capture("det_gemm", impl, a.device)
+  out = _jax_product(impl, transpose_a, transpose_b, jax_dtype(out_dtype),
+                     *to_jax_all(a2d, b, one_computation=True))
+  return to_torch(out).view(*lead, n)
+
+
+def _fake(a, b, transpose_a, transpose_b, out_dtype, implementation):
+  _choose_for(a, b, transpose_a, transpose_b, out_dtype,
+              "xla" if 0 in _library.sizes(a) + _library.sizes(b)
+              else implementation)
+  lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+  torch._check(k == (b.shape[1] if transpose_b else b.shape[0]),
+               lambda: f"rlk::det_mm: inner dimensions differ: a {a.shape}, "
+                       f"b {b.shape}")
+  return a.new_empty((*lead, n), dtype=out_dtype)
+
+
+class DetMm(torch.autograd.Function):
+  """The forward resolves the implementation once; the backward runs
+  rlk_jax's four-case VJP products on it (the cotangent cast to a's dtype,
+  as JAX does), skipping a gradient no input needs."""
+
+  @staticmethod
+  def forward(ctx, a, b, transpose_a, transpose_b, out_dtype, implementation):
+    impl = _choose_for(a, b, transpose_a, transpose_b, out_dtype,
+                       implementation)
+    ctx.save_for_backward(a, b)
+    ctx.flags = (transpose_a, transpose_b, impl)
+    return _library.below_autograd(OP, a, b, transpose_a, transpose_b,
+                                   out_dtype, impl)
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    a, b = ctx.saved_tensors
+    transpose_a, transpose_b, impl = ctx.flags
+    g = g.to(a.dtype)
+    product = functools.partial(_library.below_autograd, OP)
+    need_a, need_b = ctx.needs_input_grad[:2]
+    da = db = None
+    if need_a:
+      if transpose_a:
+        da = product(b, g, transpose_b, True, a.dtype, impl)
+      else:
+        da = product(g, b, False, not transpose_b, a.dtype, impl)
+    if need_b:
+      if not transpose_a:  # the rows of a and g, flattened
+        a = a.reshape(-1, a.shape[-1])
+        g = g.reshape(-1, g.shape[-1])
+      if transpose_b:
+        db = product(g, a, True, transpose_a, b.dtype, impl)
+      else:
+        db = product(a, g, not transpose_a, False, b.dtype, impl)
+    return da, db, None, None, None, None
+
+
+def _differentiable(a, b, *_):
+  return _library.needs_grad(a, b)
+
+
+OP = _library.define("det_mm", SCHEMA, _kernel, _fake, DetMm, _differentiable)

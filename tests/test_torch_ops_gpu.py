@@ -1,0 +1,139 @@
+"""rlk_torch_bridge's operators on an SM90 GPU (`pytest -m gpu`): CUDA-graph
+capture and replay, torch.compile (Inductor, and its CUDA-graph mode) with
+eager's bits, opcheck on CUDA tensors, and the batch-invariant mode."""
+
+import pytest
+import torch
+
+import rlk_jax
+import rlk_torch_bridge as rtb
+from conftest import ON_GPU
+from rlk_torch_bridge import _gemm_op, _pack_op
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()),
+                       reason="requires a CUDA GPU"),
+    pytest.mark.skipif(ON_GPU and rlk_jax.implementations("det_gemm")["cuda_ffi"]
+                       is not None, reason="requires the SM90 cuda_ffi library"),
+]
+
+
+def same_bits(x, y):
+  width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+  assert x.shape == y.shape and x.dtype == y.dtype
+  return torch.equal(x.detach().view(width[x.element_size()]),
+                     y.detach().view(width[y.element_size()]))
+
+
+def bf16(*shape, requires_grad=False):
+  return torch.randn(*shape, device="cuda").to(torch.bfloat16).requires_grad_(
+      requires_grad)
+
+
+def test_cuda_graph_replays_det_gemm_pack_and_unpack_with_eager_bits():
+  a, w = bf16(300, 1024), bf16(768, 1024)
+  mask = torch.rand(8, 64, device="cuda") < 0.5
+  x = torch.randn(8, 64, 256, device="cuda")
+
+  def step():
+    packed, info = rtb.pack(x, mask)
+    return (rtb.det_gemm(a, w, transpose_b=True), packed,
+            rtb.unpack(packed * 2, info), info.cu_seqlens)
+
+  want = step()
+  torch.cuda.synchronize()
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    step()  # warm-up on the capture stream
+  torch.cuda.current_stream().wait_stream(side)
+  graph = torch.cuda.CUDAGraph()
+  # thread_local: JAX's own threads may touch CUDA during the capture.
+  with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    got = step()
+  # New inputs in the captured buffers: the replay must read them.
+  a.copy_(bf16(300, 1024))
+  x.copy_(torch.randn(8, 64, 256, device="cuda"))
+  mask.copy_(torch.rand(8, 64, device="cuda") < 0.5)
+  graph.replay()
+  want = step()
+  torch.cuda.synchronize()
+  for g, e in zip(got, want):
+    assert same_bits(g, e)
+
+
+def test_cuda_graph_capture_of_a_jax_route_is_a_clear_error():
+  a, b = bf16(64, 256), bf16(256, 128)
+  rtb.det_gemm(a, b, implementation="pallas")
+  graph = torch.cuda.CUDAGraph()
+  with pytest.raises(RuntimeError, match="a torch CUDA graph cannot capture"):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+      rtb.det_gemm(a, b, implementation="pallas")
+  x, mask = torch.randn(4, 32, 8, device="cuda"), torch.rand(4, 32, device="cuda") < 0.5
+  with pytest.raises(RuntimeError, match="pass checked=False"):
+    with torch.cuda.graph(torch.cuda.CUDAGraph(),
+                          capture_error_mode="thread_local"):
+      rtb.pack(x, mask, capacity=50)
+
+
+def test_opcheck_on_cuda():
+  a, b = bf16(70, 512, requires_grad=True), bf16(512, 264, requires_grad=True)
+  torch.library.opcheck(_gemm_op.OP, (a, b, False, False, torch.bfloat16, None))
+  torch.library.opcheck(_gemm_op.OP, (a, b, False, False, torch.float32, "pallas"))
+  x = torch.randn(5, 40, 16, device="cuda", requires_grad=True)
+  mask = torch.rand(5, 40, device="cuda") < 0.5
+  torch.library.opcheck(_pack_op.PACK, (x, mask, 200, 0.0, True, None))
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_model_has_eager_bits(mode):
+  torch.manual_seed(0)
+  model = rtb.replace_linear(torch.nn.Sequential(
+      torch.nn.Linear(1024, 2048, bias=False), torch.nn.ReLU(),
+      torch.nn.Linear(2048, 1024, bias=False)).cuda().to(torch.bfloat16))
+  mask = torch.rand(16, 128, device="cuda") < 0.6
+  x = bf16(16, 128, 1024, requires_grad=True)
+
+  def step(x, mask):
+    packed, info = rtb.pack(x, mask, capacity=1536, checked=False)
+    return rtb.unpack(model(packed), info)
+
+  compiled = torch.compile(step, fullgraph=True, mode=mode)
+  g = bf16(16, 128, 1024)
+  results = []
+  for fn in (compiled, compiled, step):  # twice: CUDA-graph mode replays
+    for p in (x, *model.parameters()):
+      p.grad = None
+    out = fn(x, mask)
+    out.backward(g)
+    results.append([out.detach().clone(), x.grad.clone()]
+                   + [p.grad.clone() for p in model.parameters()])
+  for got in results[:2]:
+    for i, (u, v) in enumerate(zip(got, results[2])):
+      assert same_bits(u, v), f"output {i}"
+
+
+def test_batch_invariant_mode_rows_alone_match_the_batch_on_the_gpu():
+  torch.manual_seed(1)
+  model = torch.nn.Sequential(
+      torch.nn.Linear(1024, 3072), torch.nn.SiLU(),
+      torch.nn.Linear(3072, 1024, bias=False)).cuda().to(torch.bfloat16)
+  x = bf16(257, 1024)
+  plain_rows_differ = 0
+  for m in (1, 3, 64, 256):
+    plain_rows_differ += not same_bits(model(x[:m]), model(x)[:m])
+  with rtb.batch_invariant_mode():
+    batch = model(x)
+    compiled = torch.compile(model, fullgraph=True)
+    assert same_bits(compiled(x), batch)
+    for m in (1, 3, 64, 256):
+      assert same_bits(model(x[:m]), batch[:m]), m
+      assert same_bits(model(x[m:m + 1]), batch[m:m + 1]), m
+    xs = x.detach().clone().requires_grad_()
+    model(xs).float().square().sum().backward()
+    dx_batch = xs.grad.clone()
+    xs.grad = None
+    model(xs[:5]).float().square().sum().backward()
+    assert same_bits(xs.grad[:5], dx_batch[:5])
+  print(f"plain torch: {plain_rows_differ} of 4 prefixes differed from the batch")
