@@ -125,8 +125,13 @@ def test_batch_invariant_mode_rows_alone_match_the_batch_on_the_gpu():
     plain_rows_differ += not same_bits(model(x[:m]), model(x)[:m])
   with rtb.batch_invariant_mode():
     batch = model(x)
+    # Compiled, Inductor fuses the bias add, the cast and SiLU without the
+    # intermediate bf16 roundings eager makes (its own pointwise semantics):
+    # the compiled model is batch-invariant in its own bits.
     compiled = torch.compile(model, fullgraph=True)
-    assert same_bits(compiled(x), batch)
+    compiled_batch = compiled(x)
+    for m in (1, 3, 64):
+      assert same_bits(compiled(x[:m]), compiled_batch[:m]), m
     for m in (1, 3, 64, 256):
       assert same_bits(model(x[:m]), batch[:m]), m
       assert same_bits(model(x[m:m + 1]), batch[m:m + 1]), m

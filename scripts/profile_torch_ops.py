@@ -1,0 +1,58 @@
+"""Where an eager rlk_torch_bridge.det_gemm call spends its host time, on a
+GPU: per-piece timings and a cProfile of forward and forward + backward
+loops at a launch-bound size. `python scripts/profile_torch_ops.py`."""
+
+import cProfile
+import pstats
+import time
+
+import torch
+
+import cuda_ffi
+import rlk_torch_bridge as rtb
+from rlk_torch_bridge import _gemm_op, _sm90
+
+
+def per_call_us(fn, n=2000):
+  for _ in range(50):
+    fn()
+  torch.cuda.synchronize()
+  start = time.perf_counter()
+  for _ in range(n):
+    fn()
+  torch.cuda.synchronize()
+  return (time.perf_counter() - start) / n * 1e6
+
+
+x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+c = torch.empty(16, 256, device="cuda", dtype=torch.bfloat16)
+xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+g = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+stream = torch.cuda.current_stream().cuda_stream
+lib = cuda_ffi.library()
+pieces = {
+    "torch F.linear": lambda: torch.nn.functional.linear(x, w),
+    "torch.empty": lambda: torch.empty(16, 256, device="cuda", dtype=torch.bfloat16),
+    "raw ctypes launch": lambda: lib.rlk_det_gemm_sm90(
+        0, 1, 0, x.data_ptr(), w.data_ptr(), c.data_ptr(), 16, 256, 256, 0,
+        None, 0, stream),
+    "cuda_ffi.launch": lambda: cuda_ffi.launch(
+        x.data_ptr(), w.data_ptr(), c.data_ptr(), 16, 256, 256,
+        transpose_a=False, transpose_b=True, out_f32=False, stream=stream),
+    "_sm90.product": lambda: _sm90.product(x, w, False, True, torch.bfloat16),
+    "op below autograd": lambda: _gemm_op.OP(x, w, False, True, torch.bfloat16, None),
+    "rtb.det_gemm": lambda: rtb.det_gemm(x, w, transpose_b=True),
+    "torch fwd+bwd": lambda: torch.nn.functional.linear(xg, wg).backward(g),
+    "rtb fwd+bwd": lambda: rtb.det_gemm(xg, wg, transpose_b=True).backward(g),
+}
+for name, fn in pieces.items():
+  print(f"{name:24s} {per_call_us(fn):8.1f} us")
+
+for name in ("rtb.det_gemm", "rtb fwd+bwd"):
+  profile = cProfile.Profile()
+  profile.enable()
+  per_call_us(pieces[name], n=1000)
+  profile.disable()
+  print(f"--- {name}")
+  pstats.Stats(profile).sort_stats("tottime").print_stats(18)
