@@ -200,22 +200,32 @@ def _workspace_bytes(ta, tb, f32, m, n, k, config) -> int:
   return size
 
 
+def launcher(m: int, n: int, k: int, *, transpose_a: bool, transpose_b: bool,
+             out_f32: bool, config: str = "auto"):
+  """``launch(a_ptr, b_ptr, c_ptr, stream)`` for one product signature: the
+  same kernels on raw device pointers and a CUDA stream (the torch bridge's
+  route: torch's stream, torch's allocator, no JAX call), with everything
+  that does not change between calls worked out once."""
+  entry = library().rlk_det_gemm_sm90
+  cfg = CONFIGS[config]
+  ta, tb, f32 = int(transpose_a), int(transpose_b), int(out_f32)
+  if m and _workspace_bytes(ta, tb, f32, m, n, k, cfg):
+    raise RuntimeError("rlk cuda_ffi det_gemm: this problem needs a workspace;"
+                       " the direct launch route supports none")
+
+  def launch(a_ptr: int, b_ptr: int, c_ptr: int, stream: int) -> None:
+    err = entry(ta, tb, f32, a_ptr, b_ptr, c_ptr, m, n, k, cfg, None, 0, stream)
+    if err is not None:
+      raise ValueError(err.decode())
+  return launch
+
+
 def launch(a_ptr: int, b_ptr: int, c_ptr: int, m: int, n: int, k: int, *,
            transpose_a: bool, transpose_b: bool, out_f32: bool, stream: int,
            config: str = "auto") -> None:
-  """Launches the same kernels on raw device pointers and a CUDA stream (the
-  torch bridge's route: torch's stream, torch's allocator, no JAX call)."""
-  lib = library()
-  cfg = CONFIGS[config]
-  if m and _workspace_bytes(int(transpose_a), int(transpose_b), int(out_f32),
-                            m, n, k, cfg):
-    raise RuntimeError("rlk cuda_ffi det_gemm: this problem needs a workspace;"
-                       " the direct launch route supports none")
-  err = lib.rlk_det_gemm_sm90(int(transpose_a), int(transpose_b), int(out_f32),
-                              a_ptr, b_ptr, c_ptr, m, n, k, cfg, None, 0,
-                              stream)
-  if err is not None:
-    raise ValueError(err.decode())
+  """One launch of `launcher`'s kernels (see there)."""
+  launcher(m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+           out_f32=out_f32, config=config)(a_ptr, b_ptr, c_ptr, stream)
 
 
 # ----------------------------------------------------------------------------

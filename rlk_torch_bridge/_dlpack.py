@@ -196,6 +196,9 @@ def platform_of(t: torch.Tensor) -> str:
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+  first, *rest = tensors.values()
+  if all(t.device == first.device for t in rest):
+    return
   devices = {name: t.device for name, t in tensors.items()}
   if len(set(devices.values())) > 1:
     listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())

@@ -75,23 +75,50 @@ def _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation):
                 a.dtype, b.dtype, out_dtype, implementation, platform_of(a))
 
 
+_PLANS: dict = {}
+
+
 def _kernel(a, b, transpose_a, transpose_b, out_dtype, implementation):
+  # Everything a signature decides (checks, implementation, sizes, the
+  # launcher) is worked out once: the eager per-call cost is most of what a
+  # small product costs.
+  key = (a.shape, b.shape, transpose_a, transpose_b, a.dtype, b.dtype,
+         out_dtype, implementation, a.is_cuda)
+  run = _PLANS.get(key)
+  if run is None:
+    if len(_PLANS) > 4096:
+      _PLANS.clear()
+    run = _PLANS[key] = _plan(a, b, transpose_a, transpose_b, out_dtype,
+                              implementation)
+  return run(a, b)
+
+
+def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
+  """``run(a, b)`` for the signature of this call."""
   lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
   m = math.prod(lead)
+  out_shape = (*lead, n)
   if not (m and n and k):
     # An empty product (a backward over zero rows, say): the reference
     # checks the call; the result is exactly zero (an empty sum) or empty.
     _choose_for(a, b, transpose_a, transpose_b, out_dtype, "xla")
-    return a.new_zeros((*lead, n), dtype=out_dtype)
+    return lambda a, b: a.new_zeros(out_shape, dtype=out_dtype)
   impl = _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
-  a2d = a if transpose_a else a.reshape(m, k)
+  flat = (lambda a: a) if transpose_a or a.ndim == 2 else (
+      lambda a: a.reshape(m, k))
+  shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
   if impl == "cuda_ffi" and a.is_cuda:
-    return _sm90.product(a2d, b, transpose_a, transpose_b, out_dtype
-                         ).view(*lead, n)
-  _library.refuse_capture("det_gemm", impl, a.device)
-  out = _jax_product(impl, transpose_a, transpose_b, jax_dtype(out_dtype),
-                     *to_jax_all(a2d, b, one_computation=True))
-  return to_torch(out).view(*lead, n)
+    product = _sm90.product_launcher(m, n, k, transpose_a, transpose_b,
+                                     out_dtype)
+    return lambda a, b: shaped(product(flat(a), b))
+  jax_out_dtype = jax_dtype(out_dtype)
+
+  def through_jax(a, b):
+    _library.refuse_capture("det_gemm", impl, a.device)
+    out = _jax_product(impl, transpose_a, transpose_b, jax_out_dtype,
+                       *to_jax_all(flat(a), b, one_computation=True))
+    return shaped(to_torch(out))
+  return through_jax
 
 
 def _fake(a, b, transpose_a, transpose_b, out_dtype, implementation):

@@ -32,6 +32,7 @@ def define(name: str, schema: str, kernel: Callable, fake: Callable,
     LIBRARY.impl(name, kernel, key)
   torch.library.register_fake(f"rlk::{name}", fake, lib=LIBRARY)
   op = getattr(torch.ops.rlk, name).default
+  op._rlk_kernel = kernel
   if autograd_function is not None:
     def autograd_kernel(*args):
       if differentiable(*args):
@@ -43,9 +44,10 @@ def define(name: str, schema: str, kernel: Callable, fake: Callable,
 
 
 def call(op, *args):
-  """``op(*args)``. In eager mode it skips the dispatcher's autograd step and
-  does what the op's Autograd kernel does (the same function, the same
-  kernels); traced (torch.compile, export) it is a plain op call."""
+  """``op(*args)``. In eager mode it does what the dispatcher would (the
+  op's Autograd kernel, then its device kernel: the same functions, the same
+  kernels) without the trips through it; traced (torch.compile, export) it
+  is a plain op call."""
   if torch.compiler.is_compiling():
     return op(*args)
   autograd_function, differentiable = op._rlk_autograd
@@ -54,10 +56,21 @@ def call(op, *args):
   return below_autograd(op, *args)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def below_autograd(op, *args):
   """The op's device (or fake) kernel, past the dispatcher's autograd step:
   for calls that record no gradient (inside an autograd function, or with
-  no input needing one)."""
+  no input needing one). When nothing could observe the dispatcher (no
+  torch-dispatch or torch-function mode, plain tensors, not tracing) the
+  kernel is called straight from Python: about 20 us less per call on the
+  H100's host, which is most of what a small product costs."""
+  if (not torch._C._len_torch_dispatch_stack()
+      and not torch._C._is_torch_function_mode_enabled()
+      and not torch.compiler.is_compiling()
+      and all(type(t) in _PLAIN for t in args if isinstance(t, torch.Tensor))):
+    return op._rlk_kernel(*args)
   with torch._C._AutoDispatchBelowAutograd():
     return op(*args)
 

@@ -11,12 +11,12 @@ kernel that reads it ran.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 import cuda_ffi
 from rlk_torch_bridge._dlpack import _current_stream_handle
+
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -26,20 +26,34 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
   return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def product_launcher(m: int, n: int, k: int, transpose_a: bool,
+                     transpose_b: bool, out_dtype: torch.dtype):
+  """``product(a, b) -> op(a) @ op(b)`` for one signature (a and b 2-D
+  row-major, on a's device, on torch's current stream)."""
+  launch = cuda_ffi.launcher(m, n, k, transpose_a=transpose_a,
+                             transpose_b=transpose_b,
+                             out_f32=out_dtype == torch.float32)
+
+  def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = _aligned(a), _aligned(b)
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    index = a.device.index
+    # The library launches on the current device (what its TMA descriptors
+    # and SM count are read for): make it a's only when it is not already.
+    if _current_device() == index:
+      launch(a.data_ptr(), b.data_ptr(), c.data_ptr(),
+             _current_stream_handle(index))
+    else:
+      with torch.cuda.device(index):
+        launch(a.data_ptr(), b.data_ptr(), c.data_ptr(),
+               _current_stream_handle(index))
+    return c
+  return product
+
+
 def product(a: torch.Tensor, b: torch.Tensor, transpose_a: bool,
             transpose_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
   """``op(a) @ op(b)``, both row-major 2-D, on a's device and torch's stream."""
-  a, b = _aligned(a), _aligned(b)
   m, k = a.shape[::-1] if transpose_a else a.shape
   n = b.shape[0] if transpose_b else b.shape[1]
-  c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-  index = a.device.index
-  # The library launches on the current device (what its TMA descriptors
-  # and SM count are read for): make it a's only when it is not already.
-  with (contextlib.nullcontext() if torch.cuda.current_device() == index
-        else torch.cuda.device(index)):
-    cuda_ffi.launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k,
-                    transpose_a=transpose_a, transpose_b=transpose_b,
-                    out_f32=out_dtype == torch.float32,
-                    stream=_current_stream_handle(index))
-  return c
+  return product_launcher(m, n, k, transpose_a, transpose_b, out_dtype)(a, b)

@@ -143,7 +143,7 @@ def test_pack_errors(rng):
     rtb.pack(x, torch.ones(4, 5, dtype=torch.bool), capacity=2)
   with pytest.raises(TypeError, match="must be the PackInfo"):
     rtb.unpack(x, None)
-  with pytest.raises(TypeError, match="unsupported dtype complex64"):
+  with pytest.raises(TypeError, match="unsupported dtype torch.complex64"):
     rtb.pack(x.to(torch.complex64), torch.ones(4, 5, dtype=torch.bool))
 
 
