@@ -34,15 +34,15 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   out = tmp_path / "out"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-m", "benchmarks", "--only",
-                  "invariance,bridge", "--repeats", "2", "--out", str(out)],
+                  "invariance,bridge,torch_ops", "--repeats", "2", "--out", str(out)],
                  cwd=root, check=True, capture_output=True, text=True,
                  timeout=600)
   with open(out / "results.csv") as f:
     rows = list(csv.DictReader(f))
-  assert {r["benchmark"] for r in rows} == {"invariance", "bridge"}
+  assert {r["benchmark"] for r in rows} == {"invariance", "bridge", "torch_ops"}
   assert all(r["commit"] and r["device"] for r in rows)
   report = (out / "report.md").read_text()
-  assert "## invariance" in report and "## bridge" in report
+  assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops"))
   pngs = sorted(p.name for p in out.glob("*.png"))
   assert "invariance.png" in pngs and "bridge_overhead.png" in pngs, pngs
   assert all(f"![{p}]({p})" in report for p in pngs)
