@@ -37,7 +37,8 @@ def choose(a_shape: tuple, b_shape: tuple, transpose_a: bool,
   implementation that runs it. Cached: it runs on every call."""
   if not transpose_a:  # the forward: rlk_jax.det_gemm's own plan
     return _det_gemm.plan(
-        _Spec(a_shape, jax_dtype(dtype)), _Spec(b_shape, jax_dtype(b_dtype)),
+        jax.ShapeDtypeStruct(a_shape, jax_dtype(dtype)),
+        jax.ShapeDtypeStruct(b_shape, jax_dtype(b_dtype)),
         out_dtype=jax_dtype(out_dtype), implementation=implementation,
         transpose_b=transpose_b, platform=platform).implementation
   if len(a_shape) != 2 or len(b_shape) != 2:  # backward products only
@@ -46,13 +47,6 @@ def choose(a_shape: tuple, b_shape: tuple, transpose_a: bool,
   return _det_gemm.TABLE.select(implementation, platform, operands=(
       _det_gemm.product_operands(a_shape, b_shape, True, transpose_b,
                                  jax_dtype(dtype), jax_dtype(out_dtype)))).name
-
-
-class _Spec:
-  """Shape and JAX dtype: all rlk_jax's plan reads of an operand."""
-
-  def __init__(self, shape, dtype):
-    self.shape, self.dtype = shape, dtype
 
 
 def _dims(a_shape, b_shape, transpose_a, transpose_b):
@@ -71,8 +65,13 @@ def _jax_product(implementation, transpose_a, transpose_b, out_dtype, a, b):
 
 
 def _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation):
-  return choose(_library.sizes(a), _library.sizes(b), transpose_a, transpose_b,
-                a.dtype, b.dtype, out_dtype, implementation, platform_of(a))
+  """`choose` for tensors. An empty product is checked by the reference,
+  which takes any size: its result (zeros, or empty) needs no kernel."""
+  a_shape, b_shape = _library.sizes(a), _library.sizes(b)
+  if 0 in a_shape + b_shape:
+    implementation = "xla"
+  return choose(a_shape, b_shape, transpose_a, transpose_b, a.dtype, b.dtype,
+                out_dtype, implementation, platform_of(a))
 
 
 _PLANS: dict = {}
@@ -98,12 +97,9 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
   lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
   m = math.prod(lead)
   out_shape = (*lead, n)
-  if not (m and n and k):
-    # An empty product (a backward over zero rows, say): the reference
-    # checks the call; the result is exactly zero (an empty sum) or empty.
-    _choose_for(a, b, transpose_a, transpose_b, out_dtype, "xla")
-    return lambda a, b: a.new_zeros(out_shape, dtype=out_dtype)
   impl = _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
+  if not (m and n and k):  # a backward over zero rows, say: an empty sum
+    return lambda a, b: a.new_zeros(out_shape, dtype=out_dtype)
   flat = (lambda a: a) if transpose_a or a.ndim == 2 else (
       lambda a: a.reshape(m, k))
   shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
@@ -122,9 +118,7 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
 
 
 def _fake(a, b, transpose_a, transpose_b, out_dtype, implementation):
-  _choose_for(a, b, transpose_a, transpose_b, out_dtype,
-              "xla" if 0 in _library.sizes(a) + _library.sizes(b)
-              else implementation)
+  _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
   lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
   torch._check(k == (b.shape[1] if transpose_b else b.shape[0]),
                lambda: f"rlk::det_mm: inner dimensions differ: a {a.shape}, "

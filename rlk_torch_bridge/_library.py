@@ -39,7 +39,7 @@ def define(name: str, schema: str, kernel: Callable, fake: Callable,
         return autograd_function.apply(*args)
       return below_autograd(op, *args)
     LIBRARY.impl(name, autograd_kernel, "Autograd")
-    op._rlk_autograd = (autograd_function, differentiable)
+    op._rlk_autograd_kernel = autograd_kernel
   return op
 
 
@@ -50,10 +50,7 @@ def call(op, *args):
   is a plain op call."""
   if torch.compiler.is_compiling():
     return op(*args)
-  autograd_function, differentiable = op._rlk_autograd
-  if differentiable(*args):
-    return autograd_function.apply(*args)
-  return below_autograd(op, *args)
+  return op._rlk_autograd_kernel(*args)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

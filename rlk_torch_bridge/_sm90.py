@@ -50,10 +50,3 @@ def product_launcher(m: int, n: int, k: int, transpose_a: bool,
     return c
   return product
 
-
-def product(a: torch.Tensor, b: torch.Tensor, transpose_a: bool,
-            transpose_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
-  """``op(a) @ op(b)``, both row-major 2-D, on a's device and torch's stream."""
-  m, k = a.shape[::-1] if transpose_a else a.shape
-  n = b.shape[0] if transpose_b else b.shape[1]
-  return product_launcher(m, n, k, transpose_a, transpose_b, out_dtype)(a, b)

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 import torch
 
+import jax
+
+from rlk_jax import _linear_logp
 from rlk_torch_bridge import _library, _logp_op
-from rlk_torch_bridge._dlpack import check_same_device, check_tensor
+from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
+
+
+def _spec(t: torch.Tensor, transposed: bool = False) -> jax.ShapeDtypeStruct:
+  """What rlk_jax's checks read of a tensor (the weight as JAX's [H, V])."""
+  shape = tuple(t.shape)
+  return jax.ShapeDtypeStruct(shape[::-1] if transposed else shape,
+                              jax_dtype(t.dtype))
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
@@ -32,14 +42,9 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   if targets.dtype.is_floating_point or targets.dtype == torch.bool:
     raise TypeError(f"rlk_torch_bridge.linear_logp: targets must be integers, "
                     f"got {targets.dtype}.")
-  if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
-    raise ValueError(f"rlk_jax.linear_logp: hidden {tuple(hidden.shape)} must "
-                     f"end in H={weight.shape[1]} of weight "
-                     f"{tuple(weight.shape)} ([V, H]).")
-  if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-    raise ValueError(f"rlk_jax.linear_logp: targets shape "
-                     f"{tuple(targets.shape)} must be hidden's leading shape "
-                     f"{tuple(hidden.shape[:-1])}.")
+  if not torch.compiler.is_compiling():  # JAX's dtypes: not for the tracer
+    _linear_logp._check(_spec(hidden), _spec(weight, transposed=True),
+                        _spec(targets), temperature, chunk_size)
   lead = hidden.shape[:-1]
   # Token ids fit int32; JAX without x64 has no int64.
   targets = torch.where(targets == ignore_index, -1, targets).to(torch.int32)
