@@ -17,8 +17,8 @@ import time
 
 from absl import app, flags
 
-from benchmarks import (bench_bridge, bench_det_gemm, bench_host,
-                        bench_invariance, bench_logp, bench_pack,
+from benchmarks import (bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
+                        bench_host, bench_invariance, bench_logp, bench_pack,
                         bench_scaling, bench_torch_ops, harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
@@ -30,11 +30,13 @@ ONLY = flags.DEFINE_list("only", None, "Run only these benchmarks.")
 BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "invariance": bench_invariance, "logp": bench_logp,
               "host": bench_host, "bridge": bench_bridge,
-              "scaling": bench_scaling, "torch_ops": bench_torch_ops}
+              "scaling": bench_scaling, "torch_ops": bench_torch_ops,
+              "det_gemm_sweep": bench_det_gemm_sweep}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
-         "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch"}
+         "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch",
+         "det_gemm_sweep": "cublas"}
 
 
 def _default_out(smoke: bool) -> str:
@@ -49,6 +51,7 @@ def main(argv):
   smoke = harness.smoke_mode()
   out = OUT.value or _default_out(smoke)
   os.makedirs(out, exist_ok=True)
+  harness.set_output_dir(out)
   csv_path = os.path.join(out, "results.csv")
   if os.path.exists(csv_path):
     os.remove(csv_path)
@@ -60,7 +63,10 @@ def main(argv):
     start = time.perf_counter()
     rows = module.run(smoke)
     harness.write_csv(rows, csv_path)
-    table = harness.format_table(rows, peer=PEERS.get(name))
+    # A benchmark of many rows summarizes itself; the CSV has them all.
+    summarize = getattr(module, "summarize", None)
+    table = (summarize(rows) if summarize
+             else harness.format_table(rows, peer=PEERS.get(name)))
     sections.append(f"## {name}\n\n{table}\n")
     print(f"[{i}/{len(chosen)}] {name} done in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

@@ -52,6 +52,19 @@ class Row:
     return self.median_ms / self.floor_ms
 
 
+_OUTPUT_DIR: list[str] = []
+
+
+def set_output_dir(path: str) -> None:
+  """Where the main job writes its report: benchmarks may put side files
+  (tables, extra CSVs) there."""
+  _OUTPUT_DIR[:] = [path]
+
+
+def output_dir() -> str:
+  return _OUTPUT_DIR[0] if _OUTPUT_DIR else os.getcwd()
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -165,7 +178,8 @@ def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
 
 
 def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
-                     flops=None, iters: int = 10) -> list[Row]:
+                     flops=None, iters: int = 10, repeats: int | None = None,
+                     warmup: int = 2) -> list[Row]:
   """Rows for competitors timed against each other by time_interleaved.
   `competitors[name]()` builds its `(run_batch, calls)` (jax_batch,
   torch_batch); one that fails to build is a row with the error."""
@@ -176,7 +190,8 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
     except Exception as e:  # noqa: BLE001 - reported in the table
       failed[name] = _failed_row(benchmark, case, name, e)
   try:
-    times = time_interleaved(batches, iters=iters) if batches else {}
+    times = (time_interleaved(batches, iters=iters, repeats=repeats,
+                              warmup=warmup) if batches else {})
   except Exception as e:  # noqa: BLE001 - one failure stops the shared rounds
     failed.update({name: _failed_row(benchmark, case, name, e)
                    for name in batches})

@@ -387,6 +387,52 @@ def bridge_overhead_figure(rows):
                              _gemm_label, log=True)
 
 
+def det_gemm_sweep_figure(rows):
+  """Heatmaps of each competitor's speed as a fraction of cuBLAS's
+  (cuBLAS time / its time) over model shape x M, one column of panels per
+  layout (fwd, dA, dB)."""
+  rows = select(rows, "det_gemm_sweep", lambda r: r["median_ms"])
+  peer = {r["case"]: r["median_ms"] for r in rows
+          if r["implementation"] == "cublas"}
+  cells = collections.defaultdict(dict)  # (impl, layout) -> {(shape, m): x}
+  for r in rows:
+    if r["implementation"] == "cublas" or r["case"] not in peer:
+      continue
+    family, proj, m, k, n, layout = r["case"].split()
+    shape = f"{family} {proj} {k.split('=')[1]}x{n.split('=')[1]}"
+    cells[(r["implementation"], layout)][(shape, int(m.split("=")[1]))] = (
+        peer[r["case"]] / r["median_ms"])
+  if not cells:
+    return None
+  impls = _ordered(sorted({i for i, _ in cells}), first=("rlk_cuda_ffi_kernel",
+                                                  "rlk_cuda_ffi", "xla_dot"))
+  layouts = [l for l in ("fwd", "dA", "dB") if any(l == x for _, x in cells)]
+  shapes = list(dict.fromkeys(s for c in cells.values() for s, _ in c))
+  ms = sorted({m for c in cells.values() for _, m in c})
+  from matplotlib.colors import TwoSlopeNorm
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(3.2 * len(layouts) + 3, 0.22 * len(shapes) * len(impls)
+                        + 1.5), layout="constrained")
+  axes = fig.subplots(len(impls), len(layouts), squeeze=False)
+  norm = TwoSlopeNorm(vmin=0.3, vcenter=1.0, vmax=1.5)
+  image = None
+  for i, impl in enumerate(impls):
+    for j, layout in enumerate(layouts):
+      ax = axes[i][j]
+      got = cells.get((impl, layout), {})
+      grid = [[got.get((s, m), float("nan")) for m in ms] for s in shapes]
+      image = ax.imshow(grid, aspect="auto", cmap="RdYlGn", norm=norm)
+      ax.set_title(f"{impl} {layout}", fontsize=9)
+      ax.set_xticks(range(len(ms)), [str(m) for m in ms], fontsize=6,
+                    rotation=90)
+      ax.set_yticks(range(len(shapes)), shapes if j == 0 else [],
+                    fontsize=6)
+  fig.colorbar(image, ax=axes, shrink=0.5, label="x cuBLAS speed")
+  fig.suptitle("det_gemm sweep: speed as a fraction of cuBLAS's (M across) "
+               + _stamp(rows), fontsize=10)
+  return fig
+
+
 FIGURES = {
     "pack_bandwidth.png": pack_bandwidth_figure,
     "det_gemm_tflops.png": det_gemm_tflops_figure,
@@ -395,6 +441,7 @@ FIGURES = {
     "logp_memory.png": logp_memory_figure,
     "logp_time.png": logp_time_figure,
     "bridge_overhead.png": bridge_overhead_figure,
+    "det_gemm_sweep.png": det_gemm_sweep_figure,
 }
 
 

@@ -29,11 +29,15 @@ FFI_TARGET = "rlk_det_gemm_sm90"
 PACK_INFO_TARGET = "rlk_pack_info"
 GATHER_ROWS_TARGET = "rlk_gather_rows"
 PACK_ROWS_TARGET = "rlk_pack_rows"
-# Named kernel instantiations (det_gemm_sm90.h); 0 lets the library choose by
-# shape. Every config gives the same bits (device-tested).
+# Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
+# "auto" lets the library's analytic rule choose by shape. Every config gives
+# the same bits (device-tested); rlk_jax chooses among them by measurement.
 CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "pingpong_64x32": 3, "pingpong_64x64": 4, "swap_pingpong_64x32": 5,
-           "cooperative_256x192": 6, "split_256x192_128x256": 7}
+           "cooperative_256x192": 6, "split_256x192_128x256": 7,
+           "pingpong_128x128": 8, "cooperative_128x128": 9,
+           "cooperative_256x128": 10, "cooperative_128x192": 11,
+           "pingpong_64x256": 12, "cooperative_128x256_cluster_1x2": 13}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N
@@ -95,6 +99,11 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_det_gemm_sm90_workspace.argtypes = [
       ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64,
       ctypes.POINTER(ctypes.c_char_p)]
+  lib.rlk_det_gemm_sm90_time_configs.restype = ctypes.c_char_p
+  lib.rlk_det_gemm_sm90_time_configs.argtypes = [
+      ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64,
+      ctypes.POINTER(i64), ctypes.c_int, ctypes.c_int, ctypes.c_double,
+      ctypes.POINTER(ctypes.c_float)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64, i64]
   lib.rlk_det_gemm_sm90_split_columns.restype = i64
@@ -182,6 +191,43 @@ def chosen_config(m: int, n: int, k: int) -> str:
   """The instantiation an ``auto`` call of this shape runs on this GPU."""
   code = library().rlk_det_gemm_sm90_choose_config(m, n, k)
   return {code_: name for name, code_ in CONFIGS.items()}[code]
+
+
+def time_configs(m: int, n: int, k: int, *, transpose_a: bool,
+                 transpose_b: bool, out_f32: bool, configs, rounds: int = 5,
+                 min_ms: float = 0.2) -> dict[str, float | None]:
+  """Median milliseconds per launch of each named config on an M x N x K
+  product of this layout (None: the config cannot run it), timed in
+  interleaved rounds on the library's own operand buffers and a stream of
+  its own: the caller's streams are neither used nor synchronized. Raises
+  RuntimeError when it cannot measure (e.g. no memory for the operands)."""
+  configs = list(configs)
+  codes = (ctypes.c_int64 * len(configs))(*(CONFIGS[c] for c in configs))
+  out = (ctypes.c_float * len(configs))()
+  err = library().rlk_det_gemm_sm90_time_configs(
+      int(transpose_a), int(transpose_b), int(out_f32), m, n, k, codes,
+      len(configs), rounds, min_ms, out)
+  if err is not None:
+    raise RuntimeError(err.decode())
+  return {c: (float(ms) if ms >= 0 else None) for c, ms in zip(configs, out)}
+
+
+def build_id() -> str:
+  """Identifies the loaded library's build (its cache key, or a hash of a
+  prebuilt file named by RLK_CUDA_FFI_LIB): tuning results are kept per
+  build, since a rebuilt kernel may run at another speed."""
+  library()
+  with _lock:
+    if "build_id" not in _state:
+      prebuilt = os.environ.get("RLK_CUDA_FFI_LIB")
+      if prebuilt:
+        import hashlib
+        with open(prebuilt, "rb") as f:
+          _state["build_id"] = hashlib.sha256(f.read()).hexdigest()[:16]
+      else:
+        path = _build.library_path()
+        _state["build_id"] = path.parent.name if path else "unknown"
+    return _state["build_id"]
 
 
 def split_columns(m: int, n: int) -> int:

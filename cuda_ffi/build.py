@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import tempfile
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC / "det_gemm_kernels.cu"
+KERNEL_HEADER = CSRC / "det_gemm_sm90.h"
 API_SOURCE = CSRC / "det_gemm_api.cc"
 # The pack kernels: no CUTLASS, one object each.
 PACK_SOURCES = (CSRC / "pack_rows_kernels.cu", CSRC / "pack_rows_api.cc")
@@ -32,6 +34,19 @@ LIBRARY_NAME = "librlk_cuda_ffi.so"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
 VARIANTS = [(ta, tb, f32) for ta in (0, 1) for tb in (0, 1) for f32 in (0, 1)]
+
+
+def kernel_configs() -> dict[str, int]:
+  """The one-kernel configs of det_gemm_sm90.h (RLK_KERNEL_CONFIGS) with
+  their GemmConfig codes: the build compiles one object per config and
+  variant, so adding a config to the header is all it takes."""
+  text = KERNEL_HEADER.read_text()
+  codes = dict(re.findall(r"^\s*(k\w+) = (\d+),", text, re.M))
+  macro = re.search(r"#define RLK_KERNEL_CONFIGS\(X\)(.*?)\n\n", text, re.S)
+  names = re.findall(r"X\((k\w+)\)", macro.group(1))
+  return {name: int(codes[name]) for name in names}
+
+
 NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
               "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
 
@@ -111,15 +126,20 @@ def library_path() -> pathlib.Path | None:
 
 
 def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
-                      variants=VARIANTS):
+                      variants=VARIANTS, configs=None):
   includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
               "-isystem", str(cutlass / "tools" / "util" / "include")]
   commands = []
+  configs = kernel_configs() if configs is None else configs
+  # One object per (variant, config): ~40 s each, so the build spreads over
+  # every core instead of waiting on eight long ones.
   for ta, tb, f32 in variants:
-    obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}.o"
-    commands.append([nvcc, *NVCC_FLAGS, *includes, f"-DRLK_TA={ta}",
-                     f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}", "-c",
-                     str(KERNEL_SOURCE), "-o", str(obj)])
+    for name, code in configs.items():
+      obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o"
+      commands.append([nvcc, *NVCC_FLAGS, *includes, f"-DRLK_TA={ta}",
+                       f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}",
+                       f"-DRLK_CONFIG={code}", "-c", str(KERNEL_SOURCE), "-o",
+                       str(obj)])
   kernels, pack_api = PACK_SOURCES
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(kernels),
                    "-o", str(out_dir / "pack_rows_kernels.o")])
@@ -162,7 +182,7 @@ def build(jobs: int | None = None, log=print) -> pathlib.Path:
   with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
     tmp = pathlib.Path(tmp)
     log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
-        f"kernel variants, {jobs} jobs; a one-time cost, cached in {final})")
+        f"layouts x {len(kernel_configs())} kernel configs, {jobs} jobs; a one-time cost, cached in {final})")
     _run_all(_compile_commands(nvcc, cutlass, ffi, tmp), jobs, log)
     objs = sorted(str(p) for p in tmp.glob("*.o"))
     # cudart linked statically: the library needs only the driver at run time.
@@ -181,13 +201,19 @@ def build(jobs: int | None = None, log=print) -> pathlib.Path:
   return lib
 
 
-def check(jobs: int | None = None, variants=VARIANTS, log=print) -> None:
+def check(jobs: int | None = None, variants=VARIANTS, configs=None,
+          log=print) -> None:
   """Compiles the sources for sm_90a into a scratch directory (no link):
-  the API and the kernel file once per variant in `variants`."""
+  the API and the kernel file once per variant in `variants` and config in
+  `configs` (names of kernel_configs(); default all)."""
   nvcc, cutlass, ffi = _inputs()
+  chosen = kernel_configs()
+  if configs is not None:
+    chosen = {name: chosen[name] for name in configs}
   with tempfile.TemporaryDirectory() as tmp:
     _run_all(_compile_commands(nvcc, cutlass, ffi, pathlib.Path(tmp),
-                               variants), jobs or os.cpu_count() or 1, log)
+                               variants, chosen),
+             jobs or os.cpu_count() or 1, log)
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import det_matmul
-from rlk_jax import _dispatch, _sharding, reference
+from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -41,8 +41,16 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
 
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  # The kernel config is a speed choice (every config gives the same bits),
+  # made when the call is traced: measured on first use, then cached.
+  m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                             a.dtype, out_dtype)[:3]
+  config = _gemm_tuning.choose_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+      out_f32=jnp.dtype(out_dtype) == jnp.float32)
   return cuda_ffi.matmul(a, b, transpose_a=transpose_a,
-                         transpose_b=transpose_b, out_dtype=out_dtype)
+                         transpose_b=transpose_b, out_dtype=out_dtype,
+                         config=config)
 
 
 # The operands of one product as every implementation's check sees them:

@@ -19,7 +19,7 @@ import math
 import jax
 import torch
 
-from rlk_jax import _det_gemm
+from rlk_jax import _det_gemm, _gemm_tuning
 from rlk_torch_bridge import _library, _sm90
 from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
                                       to_torch)
@@ -87,8 +87,12 @@ def _kernel(a, b, transpose_a, transpose_b, out_dtype, implementation):
   if run is None:
     if len(_PLANS) > 4096:
       _PLANS.clear()
-    run = _PLANS[key] = _plan(a, b, transpose_a, transpose_b, out_dtype,
-                              implementation)
+    run = _plan(a, b, transpose_a, transpose_b, out_dtype, implementation)
+    # A plan made while recording a CUDA graph chose its kernel config
+    # without measuring (tuning never runs inside a capture): kept for this
+    # call only, so the next eager call may still tune.
+    if not (a.is_cuda and torch.cuda.is_current_stream_capturing()):
+      _PLANS[key] = run
   return run(a, b)
 
 
@@ -104,8 +108,12 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
       lambda a: a.reshape(m, k))
   shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
   if impl == "cuda_ffi" and a.is_cuda:
+    config = _gemm_tuning.choose_config(
+        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+        out_f32=out_dtype == torch.float32,
+        may_tune=not torch.cuda.is_current_stream_capturing())
     product = _sm90.product_launcher(m, n, k, transpose_a, transpose_b,
-                                     out_dtype)
+                                     out_dtype, config)
     return lambda a, b: shaped(product(flat(a), b))
   jax_out_dtype = jax_dtype(out_dtype)
 

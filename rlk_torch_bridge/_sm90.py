@@ -27,12 +27,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def product_launcher(m: int, n: int, k: int, transpose_a: bool,
-                     transpose_b: bool, out_dtype: torch.dtype):
+                     transpose_b: bool, out_dtype: torch.dtype,
+                     config: str = "auto"):
   """``product(a, b) -> op(a) @ op(b)`` for one signature (a and b 2-D
-  row-major, on a's device, on torch's current stream)."""
+  row-major, on a's device, on torch's current stream), on the named
+  kernel config (every config gives the same bits)."""
   launch = cuda_ffi.launcher(m, n, k, transpose_a=transpose_a,
                              transpose_b=transpose_b,
-                             out_f32=out_dtype == torch.float32)
+                             out_f32=out_dtype == torch.float32,
+                             config=config)
 
   def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = _aligned(a), _aligned(b)

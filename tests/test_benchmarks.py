@@ -34,15 +34,22 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   out = tmp_path / "out"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-m", "benchmarks", "--only",
-                  "invariance,bridge,torch_ops", "--repeats", "2", "--out", str(out)],
+                  "invariance,bridge,torch_ops,det_gemm_sweep", "--repeats", "2",
+                  "--sweep_ms", "48", "--out", str(out)],
                  cwd=root, check=True, capture_output=True, text=True,
                  timeout=600)
   with open(out / "results.csv") as f:
     rows = list(csv.DictReader(f))
-  assert {r["benchmark"] for r in rows} == {"invariance", "bridge", "torch_ops"}
+  assert {r["benchmark"] for r in rows} == {"invariance", "bridge", "torch_ops",
+                                            "det_gemm_sweep"}
+  sweep = {(r["case"].split()[1], r["case"].split()[-1]) for r in rows
+           if r["benchmark"] == "det_gemm_sweep" and r["median_ms"]}
+  assert sweep == {(p, l) for p in ("qkv", "o", "gate_up", "down", "lm_head")
+                   for l in ("fwd", "dA", "dB")}
   assert all(r["commit"] and r["device"] for r in rows)
   report = (out / "report.md").read_text()
-  assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops"))
+  assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops",
+                                           "det_gemm_sweep"))
   pngs = sorted(p.name for p in out.glob("*.png"))
   assert "invariance.png" in pngs and "bridge_overhead.png" in pngs, pngs
   assert all(f"![{p}]({p})" in report for p in pngs)

@@ -331,6 +331,11 @@ SANITIZE_SCRIPT = textwrap.dedent("""
                             transpose_a=ta, transpose_b=tb, out_f32=True,
                             stream=stream, config=config)
             assert ((c.double() - ref).norm() / ref.norm()) < 1e-5, (m, ta, tb, config)
+          # the autotuner's measurement: its own buffers, stream and events
+          times = cuda_ffi.time_configs(m, n, k, transpose_a=ta, transpose_b=tb,
+                                        out_f32=False, configs=list(cuda_ffi.CONFIGS),
+                                        rounds=2, min_ms=0.0)
+          assert all(t is not None and t > 0 for t in times.values()), times
     import rlk_torch_bridge as rtb
     for shape, tail, capacity in (((5, 300), (64,), 700), ((3, 301), (3,), 450),
                                   ((2, 40000), (8,), 34000)):

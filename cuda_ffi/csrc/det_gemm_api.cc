@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -163,6 +164,27 @@ namespace {
 
 thread_local std::string last_error;
 
+// A thread that has made no CUDA runtime call yet has no current context
+// (torch's autograd worker for device 0 never sets the device it already
+// reports), and CUTLASS's TMA descriptors are encoded through the driver,
+// which then fails with CUDA_ERROR_INVALID_CONTEXT; CUTLASS only prints
+// that and launches with a bad descriptor. cudaSetDevice makes the device's
+// primary context current here (CUDA 12+), once per thread and device.
+// False with last_error set when it cannot.
+bool MakeContextCurrent(int* device) {
+  cudaGetDevice(device);
+  thread_local int context_device = -1;
+  if (context_device != *device) {
+    if (cudaSetDevice(*device) != cudaSuccess) {
+      last_error = "rlk cuda_ffi det_gemm: cannot make the CUDA context of "
+                   "device " + std::to_string(*device) + " current";
+      return false;
+    }
+    context_device = *device;
+  }
+  return true;
+}
+
 // Checks shared by both entry points; empty when the problem is fine.
 std::string CheckProblem(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
                          bool out_f32, int64_t config, int64_t swizzle,
@@ -278,6 +300,169 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
   return LaunchOne(ta, tb, out_f32, p, plan.config, workspace_needed);
 }
 
+
+// The autotuner's measurement (rlk_jax/_gemm_tuning.py decides what to do
+// with it). Every config runs the same problem on the library's own
+// buffers, on a stream of its own: the caller's streams are never waited
+// on nor synchronized, and nothing is captured into a graph a caller is
+// recording (this thread's capture mode is relaxed for the duration, and
+// the Python side never calls this while its stream is capturing).
+class ConfigTimer {
+ public:
+  ~ConfigTimer() {
+    for (void* p : buffers_) cudaFreeAsync(p, stream_);
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);  // ours alone
+      cudaStreamDestroy(stream_);
+    }
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    cudaThreadExchangeStreamCaptureMode(&saved_mode_);
+  }
+
+  std::string Time(bool ta, bool tb, bool out_f32, int64_t m, int64_t n,
+                   int64_t k, const int64_t* configs, int count, int rounds,
+                   double min_ms, float* ms_out) {
+    cudaThreadExchangeStreamCaptureMode(&saved_mode_);
+    int device = 0;
+    if (!MakeContextCurrent(&device)) return last_error;
+    const DeviceInfo& info = InfoOf(device);
+    for (int i = 0; i < count; ++i) {
+      std::string problem = CheckProblem(m, n, k, ta, tb, out_f32, configs[i],
+                                         0, 0, info);
+      if (!problem.empty()) return problem;
+    }
+    if (m < 1 || count < 1 || rounds < 1) {
+      return "rlk cuda_ffi det_gemm timing: need M >= 1, configs and rounds";
+    }
+    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) !=
+        cudaSuccess) {
+      stream_ = nullptr;
+      return "rlk cuda_ffi det_gemm timing: cannot create a stream";
+    }
+    GemmProblem p{nullptr, nullptr, nullptr, m, n, k, info.sm_count, nullptr,
+                  0, stream_};
+    // A config CUTLASS cannot run on this problem gets -1 and no time.
+    std::vector<int> live;
+    size_t workspace = 0;
+    for (int i = 0; i < count; ++i) {
+      size_t needed = 0;
+      ms_out[i] = -1;
+      if (Launch(ta, tb, out_f32, p, static_cast<GemmConfig>(configs[i]),
+                 &needed).ok) {
+        live.push_back(i);
+        workspace = std::max(workspace, needed);
+      }
+    }
+    if (live.empty()) {
+      return "rlk cuda_ffi det_gemm timing: no config can run this problem";
+    }
+    const int n_live = static_cast<int>(live.size());
+    // Operands of small nonzero values (bf16 0x3c3c and 0x3b3b): never
+    // zeros, whose products some hardware paths treat more cheaply.
+    const size_t a_bytes = m * k * 2, b_bytes = k * n * 2,
+                 c_bytes = m * n * (out_f32 ? 4 : 2);
+    void *a = nullptr, *b = nullptr, *c = nullptr, *w = nullptr;
+    if (!Allocate(a_bytes, &a) || !Allocate(b_bytes, &b) ||
+        !Allocate(c_bytes, &c) || (workspace && !Allocate(workspace, &w))) {
+      return "rlk cuda_ffi det_gemm timing: cannot allocate the operands (" +
+             std::to_string(a_bytes + b_bytes + c_bytes + workspace) +
+             " bytes)";
+    }
+    cudaMemsetAsync(a, 0x3c, a_bytes, stream_);
+    cudaMemsetAsync(b, 0x3b, b_bytes, stream_);
+    p.a = a;
+    p.b = b;
+    p.c = c;
+    p.workspace = w;
+    p.workspace_bytes = workspace;
+    auto launch = [&](int i, int times) -> bool {
+      for (int t = 0; t < times; ++t) {
+        if (!Launch(ta, tb, out_f32, p, static_cast<GemmConfig>(configs[i]),
+                    nullptr).ok) {
+          return false;
+        }
+      }
+      return true;
+    };
+    // Warm-up (module load, TMA descriptors), then one timed launch each
+    // to size the repetitions: every sample lasts at least min_ms.
+    std::vector<cudaEvent_t> probe(2 * n_live);
+    for (int j = 0; j < n_live; ++j) {
+      probe[2 * j] = NewEvent();
+      probe[2 * j + 1] = NewEvent();
+      if (!launch(live[j], 1)) {
+        return "rlk cuda_ffi det_gemm timing: launch failed";
+      }
+      cudaEventRecord(probe[2 * j], stream_);
+      launch(live[j], 1);
+      cudaEventRecord(probe[2 * j + 1], stream_);
+    }
+    if (cudaEventSynchronize(probe.back()) != cudaSuccess) {
+      return "rlk cuda_ffi det_gemm timing: the warm-up failed";
+    }
+    float fastest = 1e30f;
+    for (int j = 0; j < n_live; ++j) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, probe[2 * j], probe[2 * j + 1]);
+      fastest = std::min(fastest, ms);
+    }
+    const int reps = static_cast<int>(std::min<double>(
+        256, std::max<double>(1, min_ms / std::max(fastest, 1e-4f) + 0.999)));
+    // Interleaved rounds, the order rotated every round: on a power-capped
+    // card, one config after another would hand the later ones a hotter
+    // card.
+    std::vector<cudaEvent_t> marks(2 * n_live * rounds);
+    for (cudaEvent_t& e : marks) e = NewEvent();
+    for (int r = 0; r < rounds; ++r) {
+      for (int t = 0; t < n_live; ++t) {
+        const int j = (t + r) % n_live;
+        cudaEventRecord(marks[2 * (r * n_live + j)], stream_);
+        launch(live[j], reps);
+        cudaEventRecord(marks[2 * (r * n_live + j) + 1], stream_);
+      }
+    }
+    if (cudaEventSynchronize(marks.back()) != cudaSuccess ||
+        cudaStreamSynchronize(stream_) != cudaSuccess) {
+      return "rlk cuda_ffi det_gemm timing: the timed launches failed";
+    }
+    for (int j = 0; j < n_live; ++j) {
+      std::vector<float> samples(rounds);
+      for (int r = 0; r < rounds; ++r) {
+        cudaEventElapsedTime(&samples[r], marks[2 * (r * n_live + j)],
+                             marks[2 * (r * n_live + j) + 1]);
+      }
+      std::sort(samples.begin(), samples.end());
+      ms_out[live[j]] = (rounds % 2 ? samples[rounds / 2]
+                              : 0.5f * (samples[rounds / 2 - 1] +
+                                        samples[rounds / 2])) / reps;
+    }
+    return "";
+  }
+
+ private:
+  bool Allocate(size_t bytes, void** ptr) {
+    if (cudaMallocAsync(ptr, std::max<size_t>(bytes, 16), stream_) !=
+        cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it for the caller's next call
+      return false;
+    }
+    buffers_.push_back(*ptr);
+    return true;
+  }
+
+  cudaEvent_t NewEvent() {
+    cudaEvent_t e = nullptr;
+    cudaEventCreate(&e);
+    events_.push_back(e);
+    return e;
+  }
+
+  cudaStream_t stream_ = nullptr;
+  std::vector<void*> buffers_;
+  std::vector<cudaEvent_t> events_;
+  cudaStreamCaptureMode saved_mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 ffi::Error DetGemmFfi(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                       ffi::Result<ffi::AnyBuffer> c,
                       ffi::Result<ffi::AnyBuffer> workspace, bool transpose_a,
@@ -368,23 +553,7 @@ const char* rlk_det_gemm_sm90(int transpose_a, int transpose_b, int out_f32,
   using namespace rlk;
   if (m == 0) return nullptr;
   int device = 0;
-  cudaGetDevice(&device);
-  // A thread that has made no CUDA runtime call yet has no current context
-  // (torch's autograd worker for device 0 never sets the device it already
-  // reports), and CUTLASS's TMA descriptors are encoded through the driver,
-  // which then fails with CUDA_ERROR_INVALID_CONTEXT; CUTLASS only prints
-  // that and launches with a bad descriptor. cudaSetDevice makes the
-  // device's primary context current here (CUDA 12+), once per thread and
-  // device.
-  thread_local int context_device = -1;
-  if (context_device != device) {
-    if (cudaSetDevice(device) != cudaSuccess) {
-      last_error = "rlk cuda_ffi det_gemm: cannot make the CUDA context of "
-                   "device " + std::to_string(device) + " current";
-      return last_error.c_str();
-    }
-    context_device = device;
-  }
+  if (!MakeContextCurrent(&device)) return last_error.c_str();
   const DeviceInfo& info = InfoOf(device);
   last_error = CheckProblem(m, n, k, transpose_a, transpose_b, out_f32, config,
                             0, 0, info);
@@ -423,6 +592,28 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
     return -1;
   }
   return static_cast<int64_t>(needed);
+}
+
+// Times `count` configs (GemmConfig codes) on an M x N x K problem of this
+// layout and output dtype: median milliseconds per launch over `rounds`
+// interleaved rounds, each sample at least `min_ms` long, into ms_out.
+// Allocates its own operands on a stream of its own (never the caller's).
+// Returns NULL, or a message valid until the next call on this thread.
+const char* rlk_det_gemm_sm90_time_configs(int transpose_a, int transpose_b,
+                                           int out_f32, int64_t m, int64_t n,
+                                           int64_t k, const int64_t* configs,
+                                           int count, int rounds,
+                                           double min_ms, float* ms_out) {
+  using namespace rlk;
+  std::string error;
+  {
+    ConfigTimer timer;
+    error = timer.Time(transpose_a, transpose_b, out_f32, m, n, k, configs,
+                       count, rounds, min_ms, ms_out);
+  }
+  if (error.empty()) return nullptr;
+  last_error = error;
+  return last_error.c_str();
 }
 
 // The instantiation an auto call picks on the current device (a GemmConfig

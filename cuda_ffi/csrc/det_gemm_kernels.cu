@@ -1,6 +1,7 @@
-// CUTLASS 3.x SM90 TMA warp-specialized GEMMs for one (layout, out dtype)
-// variant, chosen at compile time with -DRLK_TA, -DRLK_TB, -DRLK_OUT_F32: the
-// build compiles this file once per variant, in parallel.
+// CUTLASS 3.x SM90 TMA warp-specialized GEMMs: one kernel config for one
+// (layout, out dtype) variant, chosen at compile time with -DRLK_TA, -DRLK_TB,
+// -DRLK_OUT_F32 and -DRLK_CONFIG (a GemmConfig code): the build compiles this
+// file once per combination, in parallel.
 #include "det_gemm_sm90.h"
 
 // CUTLASS's SM90 kernels wait on the previous grid (griddepcontrol.wait)
@@ -29,7 +30,7 @@
 // benchmarks/cuda include this file for its templates and instantiate their
 // own variants.
 #if !defined(RLK_TA) && !defined(RLK_KERNEL_TEMPLATES_ONLY)
-#error "compile with -DRLK_TA=0|1 -DRLK_TB=0|1 -DRLK_OUT_F32=0|1"
+#error "compile with -DRLK_TA=0|1 -DRLK_TB=0|1 -DRLK_OUT_F32=0|1 -DRLK_CONFIG=n"
 #endif
 
 namespace rlk {
@@ -104,6 +105,57 @@ struct SwapPingpong64x32 {
   using Cluster = Shape<_1, _1, _1>;
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// The wider set the autotuner chooses from (rlk_jax/_gemm_tuning.py): the
+// H100 sweep of open models' projections showed M=1024 products at
+// 0.38-0.81x cuBLAS with the configs above alone, where a 128-row tile
+// fills one wave that 64x128 needs many thin ones for.
+struct Pingpong128x128 {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+struct Cooperative128x128 {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+struct Cooperative256x128 {
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+struct Cooperative128x192 {
+  using Tile = Shape<_128, _192, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+struct Pingpong64x256 {
+  using Tile = Shape<_64, _256, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// The 1x2 cluster multicasts A's tile to two CTAs side by side in N: for
+// few row tiles and many column tiles, where the 2x1 cluster would pair a
+// real row tile with padding.
+struct Cooperative128x256Cluster1x2 {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  template <class ElementD>
+  using EpilogueTile = Shape<_128, Int<256 / sizeof(ElementD)>>;
 };
 
 // A config may name its epilogue subtile per output type
@@ -258,38 +310,40 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
   return {true, nullptr};
 }
 
+// The config struct of each GemmConfig code.
+template <GemmConfig> struct ConfigOf;
+#define RLK_CONFIG_OF(NAME)                             \
+  template <> struct ConfigOf<GemmConfig::k##NAME> {    \
+    using type = NAME;                                  \
+  };
+RLK_CONFIG_OF(Cooperative128x256)
+RLK_CONFIG_OF(Cooperative256x192)
+RLK_CONFIG_OF(Pingpong64x128)
+RLK_CONFIG_OF(Pingpong64x64)
+RLK_CONFIG_OF(Pingpong64x32)
+RLK_CONFIG_OF(SwapPingpong64x32)
+RLK_CONFIG_OF(Pingpong128x128)
+RLK_CONFIG_OF(Cooperative128x128)
+RLK_CONFIG_OF(Cooperative256x128)
+RLK_CONFIG_OF(Cooperative128x192)
+RLK_CONFIG_OF(Pingpong64x256)
+RLK_CONFIG_OF(Cooperative128x256Cluster1x2)
+#undef RLK_CONFIG_OF
+
 }  // namespace
 
-template <bool kTransposeA, bool kTransposeB, bool kOutF32>
-LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
-                        size_t* workspace_needed) {
-  switch (config) {
-    case GemmConfig::kCooperative128x256:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Cooperative128x256>>(
-          problem, workspace_needed);
-    case GemmConfig::kCooperative256x192:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Cooperative256x192>>(
-          problem, workspace_needed);
-    case GemmConfig::kPingpong64x128:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x128>>(
-          problem, workspace_needed);
-    case GemmConfig::kPingpong64x64:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x64>>(
-          problem, workspace_needed);
-    case GemmConfig::kPingpong64x32:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Pingpong64x32>>(
-          problem, workspace_needed);
-    case GemmConfig::kSwapPingpong64x32:
-      return Run<Gemm<kTransposeA, kTransposeB, kOutF32, SwapPingpong64x32>>(
-          problem, workspace_needed);
-    default:
-      return {false, "unknown det_gemm config"};
-  }
+template <bool kTransposeA, bool kTransposeB, bool kOutF32, GemmConfig kConfig>
+LaunchStatus LaunchGemmConfig(const GemmProblem& problem,
+                              size_t* workspace_needed) {
+  using Config = typename ConfigOf<kConfig>::type;
+  return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Config>>(
+      problem, workspace_needed);
 }
 
 #ifdef RLK_TA
-template LaunchStatus LaunchGemm<RLK_TA, RLK_TB, RLK_OUT_F32>(
-    const GemmProblem&, GemmConfig, size_t*);
+template LaunchStatus
+LaunchGemmConfig<RLK_TA, RLK_TB, RLK_OUT_F32, static_cast<GemmConfig>(RLK_CONFIG)>(
+    const GemmProblem&, size_t*);
 #endif
 
 }  // namespace rlk

@@ -46,7 +46,8 @@ struct GemmProblem {
 // Kernel instantiations. Every one walks K in order, one 64-wide K tile after
 // another, into a single f32 accumulator per output element (no split-K, no
 // stream-K), so they all round identically: which one runs changes the
-// speed, never the bits (proven per config by the device tests).
+// speed, never the bits (proven per config by the device tests). The codes
+// are stable (cuda_ffi.CONFIGS names them; the tuning caches store names).
 enum class GemmConfig : int {
   kAuto = 0,
   kCooperative128x256 = 1,  // 2x1 cluster: the large-M projections
@@ -59,8 +60,23 @@ enum class GemmConfig : int {
   // with 256x192 tiles, the rest with 128x256, so that neither persistent
   // grid ends on a mostly empty wave.
   kSplit256x192And128x256 = 7,
-  kLastConfig = kSplit256x192And128x256,
+  kPingpong128x128 = 8,      // mid M: twice 128x256's tiles, full-speed MMA
+  kCooperative128x128 = 9,   // 2x1 cluster
+  kCooperative256x128 = 10,  // 2x1 cluster: tall tiles for narrow N
+  kCooperative128x192 = 11,  // 2x1 cluster: N in 192s at mid M
+  kPingpong64x256 = 12,      // a few hundred rows, wide N
+  kCooperative128x256Cluster1x2 = 13,  // A shared along N: short, wide
+  kLastConfig = kCooperative128x256Cluster1x2,
 };
+
+// Every config that is one kernel (all but kAuto and the split), for the
+// dispatch below; cuda_ffi/build.py compiles one object per (layout, output
+// dtype, config) from this enum.
+#define RLK_KERNEL_CONFIGS(X)                                             \
+  X(kCooperative128x256) X(kPingpong64x128) X(kPingpong64x32)            \
+  X(kPingpong64x64) X(kSwapPingpong64x32) X(kCooperative256x192)         \
+  X(kPingpong128x128) X(kCooperative128x128) X(kCooperative256x128)      \
+  X(kCooperative128x192) X(kPingpong64x256) X(kCooperative128x256Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
@@ -76,8 +92,25 @@ struct LaunchStatus {
   const char* message;  // static storage
 };
 
+// One kernel config for one (layout, output dtype): defined in
+// det_gemm_kernels.cu, which the build compiles once per combination.
+template <bool kTransposeA, bool kTransposeB, bool kOutF32, GemmConfig kConfig>
+LaunchStatus LaunchGemmConfig(const GemmProblem& problem,
+                              size_t* workspace_needed);
+
 template <bool kTransposeA, bool kTransposeB, bool kOutF32>
 LaunchStatus LaunchGemm(const GemmProblem& problem, GemmConfig config,
-                        size_t* workspace_needed);
+                        size_t* workspace_needed) {
+  switch (config) {
+#define RLK_CONFIG_CASE(NAME)                                            \
+  case GemmConfig::NAME:                                                 \
+    return LaunchGemmConfig<kTransposeA, kTransposeB, kOutF32,           \
+                            GemmConfig::NAME>(problem, workspace_needed);
+    RLK_KERNEL_CONFIGS(RLK_CONFIG_CASE)
+#undef RLK_CONFIG_CASE
+    default:
+      return {false, "unknown det_gemm config"};
+  }
+}
 
 }  // namespace rlk

@@ -1,0 +1,335 @@
+"""det_gemm on open models' projection shapes at every token count, forward
+and both backward products, against cuBLAS and XLA's dot.
+
+    python -m benchmarks --only det_gemm_sweep [--sweep_families=a,b] [--sweep_ms=...]
+
+Shapes: the qkv, o, gate_up, down and lm_head products of FAMILIES (read from
+each model's public config) at M in SWEEP_MS tokens, each three ways, in
+the layouts rlk's backward uses (W stored ``[K, N]``):
+
+* ``fwd``: ``A [M, K] @ W [K, N]``;
+* ``dA``: ``G [M, N] @ W^T`` (W read in place, transposed);
+* ``dB``: ``A^T @ G`` (A read in place, transposed; the reduction runs over
+  the M tokens).
+
+Competitors, timed in interleaved rounds per product: ``cublas``
+(torch.matmul on the same layouts, CUDA-graph replay), ``xla_dot`` (jitted
+``lax.dot_general``), ``rlk_cuda_ffi_kernel`` (the SM90 kernel on the config
+rlk chooses, launched through the torch operator, CUDA-graph replay: kernel
+against kernel), ``rlk_cuda_ffi`` and ``rlk_pallas`` (rlk's det_gemm
+primitive in a jitted JAX program: the route a JAX user calls). Where rlk
+tunes a product on first use, the timings of every SM90 config go to
+``det_gemm_configs.csv`` and the choices to a tuned table
+(``det_gemm_sm90-<device>.json``) beside the report: the data the shipped
+tables in ``rlk_jax/tuned/`` come from.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from benchmarks import harness
+from benchmarks.harness import Row
+
+BENCH = "det_gemm_sweep"
+# hidden, qkv out, o in, intermediate (gate_up = 2x), vocab: from each
+# model's config.json (hidden_size, num_attention_heads x head_dim plus two
+# num_key_value_heads x head_dim, intermediate_size or
+# moe_intermediate_size, vocab_size).
+FAMILIES = {
+    "qwen3-1.7b": dict(hidden=2048, qkv=4096, o_in=2048, inter=6144,
+                       vocab=151936),
+    "llama3.2-3b": dict(hidden=3072, qkv=5120, o_in=3072, inter=8192,
+                        vocab=128256),
+    "qwen2.5-7b": dict(hidden=3584, qkv=4608, o_in=3584, inter=18944,
+                       vocab=152064),
+    "gemma2-9b": dict(hidden=3584, qkv=8192, o_in=4096, inter=14336,
+                      vocab=256000),
+    "llama3.1-8b": dict(hidden=4096, qkv=6144, o_in=4096, inter=14336,
+                        vocab=128256),
+    "mistral-nemo-12b": dict(hidden=5120, qkv=6144, o_in=4096, inter=14336,
+                             vocab=131072),
+    "llama3.1-70b": dict(hidden=8192, qkv=10240, o_in=8192, inter=28672,
+                         vocab=128256),
+    # An MoE: the expert MLP width (moe_intermediate_size 768).
+    "qwen3-30b-a3b-expert": dict(hidden=2048, qkv=5120, o_in=4096, inter=768,
+                                 vocab=151936),
+}
+SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
+                               vocab=320)}
+SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+LAYOUTS = ("fwd", "dA", "dB")
+IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
+         "rlk_pallas")
+
+FAMILIES_FLAG = flags.DEFINE_list("sweep_families", None,
+                                  f"Families to run (default all: "
+                                  f"{', '.join(FAMILIES)}).")
+MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
+                            f"{', '.join(map(str, SWEEP_MS))}).")
+IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
+                               f"all: {', '.join(IMPLS)}).")
+PALLAS_MS = flags.DEFINE_list(
+    "sweep_pallas_ms", ["1024", "4096"], "The M values rlk_pallas runs at: "
+    "each Pallas-Triton product compiles its own kernel (seconds each).")
+MAX_GIB = flags.DEFINE_float(
+    "sweep_max_gib", 4.0, "Products with an operand or result larger than "
+    "this are left out (lm_head at M >= 8192: rlk's linear_logp runs it in "
+    "row chunks anyway), so that five competitors' buffers fit at once.")
+RETUNE = flags.DEFINE_bool(
+    "sweep_retune", False, "Ignore the shipped tuned tables, so rlk tunes "
+    "every product again and the run writes a fresh table.")
+BUDGET_S = flags.DEFINE_float(
+    "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
+    "no limit); the rows and tables so far are still written, so a device "
+    "call with a time limit keeps what it measured.")
+JAX_MS = flags.DEFINE_list(
+    "sweep_jax_ms", None, "The M values the jitted JAX routes (xla_dot, "
+    "rlk_cuda_ffi) run at (default all): each is one XLA compile, plus "
+    "XLA's own GEMM autotuning.")
+
+
+def products(family: str, dims: dict) -> list[tuple[str, int, int]]:
+  """(projection, K, N) of one family's layer and head."""
+  h = dims["hidden"]
+  return [("qkv", h, dims["qkv"]), ("o", dims["o_in"], h),
+          ("gate_up", h, 2 * dims["inter"]), ("down", dims["inter"], h),
+          ("lm_head", h, dims["vocab"])]
+
+
+def layout_product(layout: str, m: int, k: int, n: int):
+  """(transpose_a, transpose_b, rows, cols, reduction) of the GEMM a layout
+  runs, and the stored operand shapes."""
+  if layout == "fwd":  # A [M, K] @ W [K, N]
+    return False, False, (m, k), (k, n), (m, n, k)
+  if layout == "dA":  # G [M, N] @ (W [K, N])^T
+    return False, True, (m, n), (k, n), (m, k, n)
+  if layout == "dB":  # (A [M, K])^T @ G [M, N]
+    return True, False, (m, k), (m, n), (k, n, m)
+  raise ValueError(layout)
+
+
+def _dims_of(ta, tb):
+  return (((0,) if ta else (1,)), ((1,) if tb else (0,)))
+
+
+def _xla(ta, tb):
+  contract = _dims_of(ta, tb)
+  return lambda x, y: jax.lax.dot_general(x, y, (contract, ((), ())))
+
+
+def _rlk_jax(impl, ta, tb):
+  from rlk_jax import _det_gemm
+  return lambda x, y: _det_gemm._matmul(impl, ta, tb, jnp.dtype(jnp.bfloat16),
+                                        x, y)
+
+
+def _torch_product(torch, ta, tb):
+  def product(x, y):
+    return torch.matmul(x.T if ta else x, y.T if tb else y)
+  return product
+
+
+def _rlk_torch(torch, ta, tb):
+  op = torch.ops.rlk.det_mm
+  return lambda x, y: op(x, y, ta, tb, torch.bfloat16, "cuda_ffi")
+
+
+def _sets(bytes_per_set: int) -> int:
+  # Distinct operand sets per timed call, so repeats do not re-read a warm
+  # L2 (50 MB on the H100): enough sets to pass 128 MB, at most 8.
+  return max(1, min(8, -(-(128 << 20) // max(bytes_per_set, 1))))
+
+
+def run(smoke: bool) -> list[Row]:
+  families = SMOKE_FAMILIES if smoke else FAMILIES
+  if FAMILIES_FLAG.value:
+    families = {f: FAMILIES[f] for f in FAMILIES_FLAG.value}
+  ms = ([int(m) for m in MS_FLAG.value] if MS_FLAG.value
+        else [16, 48] if smoke else list(SWEEP_MS))
+  impls = IMPLS_FLAG.value or IMPLS
+  torch = harness.torch_or_none()
+  on_gpu = harness.on_gpu()
+  if torch is not None and on_gpu:
+    import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
+    torch.backends.cuda.matmul.allow_tf32 = False
+  rlk_ready = {i: why is None for i, why in
+               __import__("rlk_jax").implementations("det_gemm").items()}
+  pallas_ms = {int(m) for m in PALLAS_MS.value} if not smoke else set(ms)
+  jax_ms = ({int(m) for m in JAX_MS.value} if JAX_MS.value and not smoke
+            else set(ms))
+  # The sweep is where rlk's tables come from: tune every product, however
+  # large (a user's process tunes only up to RLK_DET_GEMM_TUNE_MAX_MB).
+  os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_MB", "65536")
+  if RETUNE.value:
+    os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
+  rows, skipped = [], 0
+  deadline = time.monotonic() + (BUDGET_S.value or float("inf"))
+  for family, dims in families.items():
+    for proj, k, n in products(family, dims):
+      for m in ms:
+        if (2 * max(m * k, k * n, m * n) > MAX_GIB.value * 2**30
+            or time.monotonic() > deadline):
+          skipped += 3
+          continue
+        for layout in LAYOUTS:
+          rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
+                                on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
+  if skipped:
+    harness.progress(Row(BENCH, f"{skipped} products left out (operands "
+                         f"> {MAX_GIB.value} GiB, or past the time budget)",
+                         "-"))
+  if on_gpu and rlk_ready.get("cuda_ffi"):
+    _write_tuning(harness.output_dir())
+  if torch is not None and on_gpu:
+    torch.cuda.empty_cache()
+  return rows
+
+
+def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
+                  rlk_ready, pallas_ms, jax_ms, smoke) -> list[Row]:
+  ta, tb, x_shape, y_shape, (pm, pn, pk) = layout_product(layout, m, k, n)
+  case = f"{family} {proj} M={m} K={k} N={n} {layout}"
+  flops = 2 * m * n * k
+  n_sets = 1 if smoke else _sets(2 * (math.prod(x_shape) + math.prod(y_shape)))
+  keys = jax.random.split(jax.random.key(zlib.crc32(case.encode())),
+                          2 * n_sets)
+  x_sets = [jax.random.normal(kk, x_shape, jnp.float32).astype(jnp.bfloat16)
+            for kk in keys[:n_sets]]
+  y_sets = [jax.random.normal(kk, y_shape, jnp.float32).astype(jnp.bfloat16)
+            for kk in keys[n_sets:]]
+  pairs = list(zip(x_sets, y_sets))
+  competitors = {}
+  torch_gpu = torch is not None and on_gpu
+  if torch_gpu:
+    torch_pairs = [(torch.from_dlpack(x).clone(), torch.from_dlpack(y).clone())
+                   for x, y in pairs]
+  if "cublas" in impls and torch_gpu:
+    competitors["cublas"] = lambda: harness.torch_batch(
+        _torch_product(torch, ta, tb), torch_pairs, graph=True)
+  if "xla_dot" in impls and m in jax_ms:
+    competitors["xla_dot"] = lambda: harness.jax_batch(_xla(ta, tb), pairs)
+  if "rlk_cuda_ffi_kernel" in impls and torch_gpu and rlk_ready.get("cuda_ffi"):
+    competitors["rlk_cuda_ffi_kernel"] = lambda: harness.torch_batch(
+        _rlk_torch(torch, ta, tb), torch_pairs, graph=True)
+  if "rlk_cuda_ffi" in impls and rlk_ready.get("cuda_ffi") and m in jax_ms:
+    competitors["rlk_cuda_ffi"] = lambda: harness.jax_batch(
+        _rlk_jax("cuda_ffi", ta, tb), pairs)
+  if "rlk_pallas" in impls and rlk_ready.get("pallas") and m in pallas_ms:
+    competitors["rlk_pallas"] = lambda: harness.jax_batch(
+        _rlk_jax("pallas", ta, tb), pairs)
+  # About 2 ms of work per sample at cuBLAS's pace (700 TFLOP/s on the
+  # H100), never fewer than one call.
+  iters = max(1, round(2e-3 * 700e12 / (flops * n_sets)))
+  rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
+                                  iters=1 if smoke else iters,
+                                  repeats=3 if smoke else 5, warmup=1)
+  del pairs, x_sets, y_sets, competitors
+  if torch_gpu:
+    del torch_pairs
+    torch.cuda.empty_cache()  # the next product's JAX buffers need room
+  peer = next((r.median_ms for r in rows if r.implementation == "cublas"),
+              None)
+  config = _chosen_config(pm, pn, pk, ta, tb) if any(
+      r.implementation.startswith("rlk_cuda_ffi") for r in rows) else None
+  for row in rows:
+    notes = []
+    if peer and row.median_ms and row.implementation != "cublas":
+      notes.append(f"{peer / row.median_ms:.2f}x cublas")
+    if config and row.implementation.startswith("rlk_cuda_ffi"):
+      notes.append(f"config {config}")
+    row.note = "; ".join(filter(None, [row.note, *notes]))
+  return rows
+
+
+def _chosen_config(m, n, k, ta, tb) -> str:
+  from rlk_jax import _gemm_tuning
+  return _gemm_tuning.choose_config(m, n, k, transpose_a=ta, transpose_b=tb,
+                                    out_f32=False, may_tune=False)
+
+
+def _write_tuning(out_dir: str) -> None:
+  """Every product this process tuned: each config's time
+  (det_gemm_configs.csv) and the choices as a table in the shipped format."""
+  import cuda_ffi
+  from rlk_jax import _gemm_tuning
+  device = harness.device_name()
+  cache = _gemm_tuning.DiskCache(_gemm_tuning.cache_path(device,
+                                                         cuda_ffi.build_id()))
+  entries = cache._read()
+  if not entries:
+    return
+  with open(os.path.join(out_dir, "det_gemm_configs.csv"), "w",
+            newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["device", "commit", "layout", "m", "n", "k", "config",
+                     "median_ms", "chosen", "x_fastest"])
+    for key, entry in sorted(entries.items()):
+      layout, _, n, k = key.split()
+      fastest = min(entry["ms"].values())
+      for config, ms in sorted(entry["ms"].items(), key=lambda kv: kv[1]):
+        writer.writerow([device, harness.commit(), layout, entry["m"], n, k,
+                         config, f"{ms:.6g}", int(config == entry["config"]),
+                         f"{ms / fastest:.4f}"])
+  table = {"device": device, "commit": harness.commit(),
+           "date": datetime.date.today().isoformat(),
+           "source": "benchmarks/bench_det_gemm_sweep.py (rlk's autotuner "
+                     "on every product of the sweep)",
+           "entries": {key: e["config"] for key, e in sorted(entries.items())}}
+  name = f"det_gemm_sm90-{_gemm_tuning.device_slug(device)}.json"
+  with open(os.path.join(out_dir, name), "w") as f:
+    json.dump(table, f, indent=0, sort_keys=True)
+
+
+def summarize(rows: list[Row]) -> str:
+  """The report's section: geomean speed as a fraction of cuBLAS per
+  competitor, layout and M (the full rows are in results.csv), and the
+  slowest products of each rlk competitor."""
+  peer = {r.case: r.median_ms for r in rows
+          if r.implementation == "cublas" and r.median_ms}
+  ratios: dict[tuple, list[float]] = {}
+  worst: dict[str, list[tuple[float, str]]] = {}
+  for r in rows:
+    if r.implementation == "cublas" or not r.median_ms or r.case not in peer:
+      continue
+    layout = r.case.split()[-1]
+    m = int(r.case.split("M=")[1].split()[0])
+    x = peer[r.case] / r.median_ms
+    ratios.setdefault((r.implementation, layout, m), []).append(x)
+    ratios.setdefault((r.implementation, "all", 0), []).append(x)
+    worst.setdefault(r.implementation, []).append((x, r.case))
+  if not ratios:
+    return harness.format_table(rows)
+  ms = sorted({m for _, _, m in ratios if m})
+  lines = ["Speed as a fraction of cuBLAS's (cuBLAS time / time; geomean "
+           "over the products; above 1 is faster).", "",
+           "| implementation | layout | " + " | ".join(f"M={m}" for m in ms)
+           + " | all M |", "|" + "---|" * (len(ms) + 3)]
+  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
+  for impl in [i for i in IMPLS if any(k[0] == i for k in ratios)]:
+    for layout in LAYOUTS:
+      cells = [f"{geo(ratios[(impl, layout, m)]):.2f}"
+               if (impl, layout, m) in ratios else "" for m in ms]
+      every = [x for (i, l, m), xs in ratios.items() if i == impl
+               and l == layout for x in xs]
+      lines.append(f"| {impl} | {layout} | " + " | ".join(cells)
+                   + (f" | {geo(every):.2f} |" if every else " | |"))
+    lines.append(f"| {impl} | all | " + " | " * len(ms)
+                 + f"{geo(ratios[(impl, 'all', 0)]):.2f} |")
+  lines += ["", "Slowest products against cuBLAS:", ""]
+  for impl, xs in worst.items():
+    lines.append(f"- {impl}: " + "; ".join(
+        f"{case} {x:.2f}x" for x, case in sorted(xs)[:5]))
+  return "\n".join(lines)

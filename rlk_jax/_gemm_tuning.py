@@ -1,0 +1,276 @@
+"""Which SM90 kernel config runs a det_gemm product, chosen by measurement.
+
+Every config walks K in the same 64-wide order into one f32 accumulator, and
+the device tests prove them bit-identical, so choosing one is a speed
+decision only: two processes may choose differently and still agree on
+every bit. The choice for a product (layout, output dtype, M bucket, N, K)
+on this device comes from, in order:
+
+1. this process's memo;
+2. the on-disk cache of earlier tuning on this device and library build
+   (``$RLK_CACHE_DIR`` or ``~/.cache/rlk``, ``det_gemm_tuning/``);
+3. the table shipped for this device (``rlk_jax/tuned/``, built from the
+   ``det_gemm_sweep`` benchmark) at this M bucket;
+4. tuning now: ``cuda_ffi.time_configs`` times every candidate on the
+   library's own buffers and stream (the caller's streams are never used or
+   synchronized), and the result goes to the on-disk cache. Only where
+   allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
+   recording a CUDA graph, and the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
+   (default 2048);
+5. the shipped table's nearest M bucket for this (layout, N, K);
+6. the library's analytic rule (waves and tile-slot waste,
+   ``cuda_ffi.chosen_config``).
+
+Ties go by a fixed order: the first candidate of :data:`CANDIDATES` within
+:data:`TIE` of the fastest wins, so equal measurements give equal choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import pathlib
+import re
+import tempfile
+import threading
+
+_log = logging.getLogger("rlk.det_gemm_tuning")
+
+# Every one-kernel config and the two-kernel split, in the tie-break order:
+# the configs the analytic rule has long used first.
+CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
+              "split_256x192_128x256", "pingpong_128x128",
+              "cooperative_128x128", "cooperative_256x128",
+              "cooperative_128x192", "cooperative_128x256_cluster_1x2",
+              "pingpong_64x256", "pingpong_64x128", "pingpong_64x64",
+              "pingpong_64x32", "swap_pingpong_64x32")
+# Within 1% of the fastest counts as a tie (run-to-run noise on the H100 is
+# about that).
+TIE = 0.01
+TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
+
+_lock = threading.Lock()
+_memo: dict[tuple, str] = {}
+# Products whose tuning failed in this process (no memory, say): not retried.
+_untunable: set[tuple] = set()
+
+
+def m_bucket(m: int) -> int:
+  """The M a choice is kept under: a config's speed moves with the number
+  of row tiles, so buckets are a tile (or less) apart where that number is
+  small, coarser where a wave holds many tiles."""
+  if m <= 64:
+    return -(-m // 16) * 16
+  if m <= 4096:
+    return -(-m // 128) * 128
+  return -(-m // 1024) * 1024
+
+
+def product_key(m, n, k, transpose_a, transpose_b, out_f32) -> str:
+  return (f"{int(transpose_a)}{int(transpose_b)}{int(out_f32)} "
+          f"{m_bucket(m)} {n} {k}")
+
+
+def device_slug(name: str) -> str:
+  return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def pick(times: dict[str, float | None]) -> str:
+  """The config to keep from measured times: the first of CANDIDATES within
+  TIE of the fastest (a fixed order settles ties)."""
+  measured = {c: t for c, t in times.items() if t is not None and t > 0}
+  if not measured:
+    raise ValueError("no config was measured")
+  fastest = min(measured.values())
+  order = [c for c in CANDIDATES if c in measured] + sorted(
+      c for c in measured if c not in CANDIDATES)
+  return next(c for c in order if measured[c] <= fastest * (1 + TIE))
+
+
+def _autotune_enabled() -> bool:
+  return os.environ.get("RLK_DET_GEMM_AUTOTUNE", "1") != "0"
+
+
+def _tune_max_bytes() -> int:
+  return int(float(os.environ.get("RLK_DET_GEMM_TUNE_MAX_MB", "2048")) * 2**20)
+
+
+def cache_path(device: str, build: str) -> pathlib.Path:
+  root = os.environ.get("RLK_CACHE_DIR") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlk")
+  return (pathlib.Path(root) / "det_gemm_tuning"
+          / f"{device_slug(device)}-{build}.json")
+
+
+class DiskCache:
+  """Tuning results of one device and library build, in one JSON file.
+
+  Safe under concurrent processes: a writer holds an exclusive lock on a
+  side file, re-reads, merges and replaces the file atomically, so readers
+  see either the old or the new file and no writer's entries are lost.
+  """
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._entries: dict[str, dict] | None = None
+
+  def get(self, key: str) -> str | None:
+    if self._entries is None:
+      self._entries = self._read()
+    entry = self._entries.get(key)
+    return entry["config"] if entry else None
+
+  def put(self, key: str, entry: dict) -> None:
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(self.path.with_suffix(".lock")):
+      entries = self._read()
+      entries[key] = entry
+      fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+      with os.fdopen(fd, "w") as f:
+        json.dump({"entries": entries}, f, indent=0, sort_keys=True)
+      os.replace(tmp, self.path)
+    self._entries = entries
+
+  def _read(self) -> dict[str, dict]:
+    try:
+      with open(self.path) as f:
+        return dict(json.load(f).get("entries", {}))
+    except FileNotFoundError:
+      return {}
+    except (OSError, ValueError) as e:  # a damaged cache is only lost time
+      _log.warning("rlk: ignoring unreadable tuning cache %s: %s", self.path, e)
+      return {}
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+  import fcntl
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Table:
+  """A shipped table: {product key: config} for one device."""
+
+  def __init__(self, entries: dict[str, str]):
+    self.entries = entries
+    # (layout, N, K) -> sorted [(M bucket, config)] for the nearest lookup.
+    self._by_shape: dict[tuple, list] = {}
+    for key, config in entries.items():
+      layout, m, n, k = key.split()
+      self._by_shape.setdefault((layout, n, k), []).append((int(m), config))
+    for rows in self._by_shape.values():
+      rows.sort()
+
+  def exact(self, key: str) -> str | None:
+    return self.entries.get(key)
+
+  def nearest(self, key: str) -> str | None:
+    """The entry of the nearest M (in ratio; the larger on a tie) measured
+    for this layout, N and K."""
+    layout, m, n, k = key.split()
+    rows = self._by_shape.get((layout, n, k))
+    if not rows:
+      return None
+    m = int(m)
+    return min(rows, key=lambda r: (abs(_log2(r[0]) - _log2(m)), -r[0]))[1]
+
+
+def _log2(x: int) -> float:
+  import math
+  return math.log2(max(x, 1))
+
+
+@functools.cache
+def shipped_table(device: str) -> Table:
+  if os.environ.get("RLK_DET_GEMM_TUNED_TABLES", "1") == "0":
+    return Table({})  # the sweep re-measuring what a table would answer
+  path = TABLE_DIR / f"det_gemm_sm90-{device_slug(device)}.json"
+  try:
+    with open(path) as f:
+      return Table(json.load(f)["entries"])
+  except FileNotFoundError:
+    return Table({})
+
+
+@functools.cache
+def _device_name() -> str:
+  import jax
+  return jax.devices("gpu")[0].device_kind
+
+
+@functools.cache
+def _disk_cache(device: str, build: str) -> DiskCache:
+  return DiskCache(cache_path(device, build))
+
+
+def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
+                  transpose_b: bool, out_f32: bool, may_tune: bool = True,
+                  device: str | None = None) -> str:
+  """The SM90 config for this product on this device (see the module doc).
+  `may_tune=False` (inside a CUDA-graph capture, say) never measures."""
+  import cuda_ffi
+  if m == 0:
+    return "auto"
+  device = device or _device_name()
+  key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
+  memo_key = (device, key)
+  with _lock:
+    if memo_key in _memo:
+      return _memo[memo_key]
+    cache = _disk_cache(device, cuda_ffi.build_id())
+    table = shipped_table(device)
+    config = cache.get(key) or table.exact(key)
+    if config is None and may_tune and _tunable(memo_key, m, n, k, out_f32):
+      config = _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b,
+                     out_f32)
+    if config is None:
+      config = table.nearest(key)
+      if config is None:
+        config = cuda_ffi.chosen_config(m, n, k)
+      if not may_tune:  # may be measured later, outside the capture
+        return config
+    _memo[memo_key] = config
+    return config
+
+
+def _tunable(memo_key, m, n, k, out_f32) -> bool:
+  operand_bytes = 2 * (m * k + k * n) + (4 if out_f32 else 2) * m * n
+  return (_autotune_enabled() and memo_key not in _untunable
+          and operand_bytes <= _tune_max_bytes())
+
+
+def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
+  import cuda_ffi
+  try:
+    times = cuda_ffi.time_configs(m, n, k, transpose_a=transpose_a,
+                                  transpose_b=transpose_b, out_f32=out_f32,
+                                  configs=CANDIDATES)
+    config = pick(times)
+  except (RuntimeError, ValueError) as e:
+    _log.warning("rlk: det_gemm tuning of %s failed (%s); using the table or "
+                 "the analytic rule", key, e)
+    _untunable.add(memo_key)
+    return None
+  try:
+    cache.put(key, {"config": config, "m": m,
+                    "ms": {c: t for c, t in times.items() if t is not None}})
+  except OSError as e:  # a read-only home: keep the choice for this process
+    _log.warning("rlk: cannot write the det_gemm tuning cache: %s", e)
+  return config
+
+
+def clear_memo() -> None:
+  """Forgets this process's choices (tests; a cache edited by hand)."""
+  with _lock:
+    _memo.clear()
+    _untunable.clear()
+    _disk_cache.cache_clear()
+    shipped_table.cache_clear()

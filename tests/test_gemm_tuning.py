@@ -1,0 +1,211 @@
+"""det_gemm's SM90 config choice (rlk_jax/_gemm_tuning.py) on the CPU: the
+order of sources, ties, the on-disk cache under concurrent writers, the
+switches. The kernels' timing itself runs on the device
+(tests/test_cuda_ffi_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+
+import pytest
+
+import cuda_ffi
+from cuda_ffi import build
+from rlk_jax import _gemm_tuning as tuning
+
+DEVICE = "NVIDIA Test GPU 80GB"
+
+
+@pytest.fixture
+def fake_library(monkeypatch, tmp_path):
+  """cuda_ffi's measurement and analytic rule replaced by recorders; the
+  cache in a fresh directory; the shipped tables as the test sets them."""
+  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("RLK_DET_GEMM_AUTOTUNE", raising=False)
+  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_MB", raising=False)
+  calls = {"timed": [], "rule": []}
+  times = {}
+
+  def time_configs(m, n, k, *, transpose_a, transpose_b, out_f32, configs,
+                   **_):
+    calls["timed"].append((m, n, k, transpose_a, transpose_b, out_f32))
+    if isinstance(times.get("raise"), Exception):
+      raise times["raise"]
+    return {c: times.get(c, 1.0 + 0.1 * i) for i, c in enumerate(configs)}
+
+  def chosen_config(m, n, k):
+    calls["rule"].append((m, n, k))
+    return "pingpong_64x128"
+
+  monkeypatch.setattr(cuda_ffi, "time_configs", time_configs)
+  monkeypatch.setattr(cuda_ffi, "chosen_config", chosen_config)
+  monkeypatch.setattr(cuda_ffi, "build_id", lambda: "build0")
+  table_dir = tmp_path / "tables"
+  table_dir.mkdir()
+  monkeypatch.setattr(tuning, "TABLE_DIR", table_dir)
+
+  def ship(device, entries):  # a shipped table, in the shipped format
+    path = table_dir / f"det_gemm_sm90-{tuning.device_slug(device)}.json"
+    path.write_text(json.dumps({"device": device, "entries": entries}))
+    tuning.clear_memo()
+
+  tuning.clear_memo()
+  yield calls, times, ship
+  tuning.clear_memo()
+
+
+def choose(m, n=4096, k=4096, ta=False, tb=False, f32=False, **kw):
+  return tuning.choose_config(m, n, k, transpose_a=ta, transpose_b=tb,
+                              out_f32=f32, device=DEVICE, **kw)
+
+
+def test_pick_fastest_and_ties_by_fixed_order():
+  first, second = tuning.CANDIDATES[0], tuning.CANDIDATES[5]
+  assert tuning.pick({first: 2.0, second: 1.0}) == second
+  # within TIE of the fastest: the earlier candidate wins, whatever order
+  # the times arrive in
+  close = 1.0 * (1 + tuning.TIE / 2)
+  assert tuning.pick({second: 1.0, first: close}) == first
+  assert tuning.pick({first: close, second: 1.0}) == first
+  assert tuning.pick({first: None, second: 3.0}) == second
+  with pytest.raises(ValueError):
+    tuning.pick({first: None})
+
+
+def test_m_bucket_keeps_tile_counts_apart():
+  assert [tuning.m_bucket(m) for m in (1, 16, 17, 64, 65, 128, 129, 1024,
+                                       4096, 4097, 16384)] == [
+      16, 16, 32, 64, 128, 128, 256, 1024, 4096, 5120, 16384]
+  assert tuning.product_key(1000, 3584, 3584, False, True, True) == (
+      "011 1024 3584 3584")
+
+
+def test_tunes_once_then_reads_the_disk_cache(fake_library, tmp_path):
+  calls, times, _ = fake_library
+  times["pingpong_128x128"] = 0.5
+  assert choose(1000) == "pingpong_128x128"
+  assert choose(1010) == "pingpong_128x128"  # same bucket: memo
+  assert len(calls["timed"]) == 1 and calls["rule"] == []
+  path = tuning.cache_path(DEVICE, "build0")
+  entry = json.loads(path.read_text())["entries"]["000 1024 4096 4096"]
+  assert entry["config"] == "pingpong_128x128" and entry["m"] == 1000
+  assert entry["ms"]["pingpong_128x128"] == 0.5
+  # a new process (memo gone) reads the file and measures nothing
+  tuning.clear_memo()
+  times["raise"] = RuntimeError("must not time again")
+  assert choose(1020) == "pingpong_128x128"
+  assert len(calls["timed"]) == 1
+  # another layout, dtype or build is another product
+  times.pop("raise")
+  choose(1000, ta=True)
+  choose(1000, f32=True)
+  assert len(calls["timed"]) == 3
+
+
+def test_shipped_table_before_tuning_nearest_after(fake_library):
+  calls, _, ship = fake_library
+  ship(DEVICE, {"000 1024 4096 4096": "cooperative_256x128",
+                "000 4096 4096 4096": "cooperative_256x192"})
+  assert choose(1000) == "cooperative_256x128"  # exact bucket: no timing
+  assert calls["timed"] == []
+  # no exact bucket and no tuning: the nearest M measured for this shape
+  assert choose(3000, may_tune=False) == "cooperative_256x192"
+  assert choose(1500, may_tune=False) == "cooperative_256x128"
+  # no entry for this shape at all: the analytic rule
+  assert choose(3000, n=1024, may_tune=False) == "pingpong_64x128"
+  assert calls["rule"] == [(3000, 1024, 4096)]
+  assert calls["timed"] == []
+
+
+def test_no_tuning_inside_a_capture_and_no_memo_of_the_fallback(fake_library):
+  calls, _, _ = fake_library
+  assert choose(1000, may_tune=False) == "pingpong_64x128"
+  assert calls["timed"] == []
+  # the fallback was not kept: outside the capture the product is measured
+  assert choose(1000) != "pingpong_64x128" or calls["timed"]
+  assert len(calls["timed"]) == 1
+
+
+def test_switch_off_and_memory_limit(fake_library, monkeypatch):
+  calls, _, _ = fake_library
+  monkeypatch.setenv("RLK_DET_GEMM_AUTOTUNE", "0")
+  assert choose(1000) == "pingpong_64x128"
+  monkeypatch.setenv("RLK_DET_GEMM_AUTOTUNE", "1")
+  tuning.clear_memo()
+  monkeypatch.setenv("RLK_DET_GEMM_TUNE_MAX_MB", "1")  # 4096x4096 bf16: 32 MB
+  assert choose(1000) == "pingpong_64x128"
+  assert calls["timed"] == []
+  tuning.clear_memo()
+  monkeypatch.setenv("RLK_DET_GEMM_TUNE_MAX_MB", "2048")
+  choose(1000)
+  assert len(calls["timed"]) == 1
+
+
+def test_failed_tuning_falls_back_and_is_not_retried(fake_library, caplog):
+  calls, times, _ = fake_library
+  times["raise"] = RuntimeError("cannot allocate the operands")
+  assert choose(1000) == "pingpong_64x128"
+  assert choose(1000) == "pingpong_64x128"
+  assert len(calls["timed"]) == 1
+  assert "tuning of 000 1024 4096 4096 failed" in caplog.text
+  assert not tuning.cache_path(DEVICE, "build0").exists()
+
+
+def test_unreadable_cache_is_ignored(fake_library, caplog):
+  calls, _, _ = fake_library
+  path = tuning.cache_path(DEVICE, "build0")
+  path.parent.mkdir(parents=True)
+  path.write_text("{not json")
+  choose(1000)
+  assert len(calls["timed"]) == 1
+  assert "ignoring unreadable tuning cache" in caplog.text
+  assert "000 1024 4096 4096" in json.loads(path.read_text())["entries"]
+
+
+def _write_entries(args):
+  path, start = args
+  cache = tuning.DiskCache(path)
+  for i in range(start, start + 25):
+    cache.put(f"000 {128 * (i + 1)} 64 64", {"config": f"c{i}", "m": i,
+                                            "ms": {f"c{i}": 1.0}})
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+  path = tmp_path / "cache.json"
+  with multiprocessing.get_context("spawn").Pool(4) as pool:
+    pool.map(_write_entries, [(path, 25 * w) for w in range(4)])
+  entries = json.loads(path.read_text())["entries"]
+  assert len(entries) == 100
+  assert {e["config"] for e in entries.values()} == {f"c{i}" for i in range(100)}
+
+
+def test_candidates_are_every_library_config():
+  assert set(tuning.CANDIDATES) == set(cuda_ffi.CONFIGS) - {"auto"}
+  assert len(set(tuning.CANDIDATES)) == len(tuning.CANDIDATES)
+
+
+def test_config_names_match_the_header_codes():
+  # cuda_ffi.CONFIGS names the header's GemmConfig codes: a renumbering on
+  # either side would make names launch other kernels.
+  header = build.KERNEL_HEADER.read_text()
+  codes = {name: int(code) for name, code in
+           re.findall(r"^\s*(k\w+) = (\d+),", header, re.M)}
+  camel = lambda name: "k" + "".join(p.capitalize() for p in name.split("_"))
+  names = {camel(n): code for n, code in cuda_ffi.CONFIGS.items()}
+  names["kSplit256x192And128x256"] = names.pop("kSplit256x192128x256")
+  assert names == codes
+  # and the build compiles every one-kernel config
+  assert set(build.kernel_configs().values()) == (
+      set(cuda_ffi.CONFIGS.values()) - {0, cuda_ffi.CONFIGS[
+          "split_256x192_128x256"]})
+
+
+def test_shipped_tables_name_real_configs():
+  for path in tuning.TABLE_DIR.glob("*.json"):
+    table = json.loads(path.read_text())
+    assert table["entries"], path
+    for key, config in table["entries"].items():
+      assert re.fullmatch(r"[01]{3} \d+ \d+ \d+", key), (path, key)
+      assert config in tuning.CANDIDATES, (path, key, config)
