@@ -108,46 +108,65 @@ Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
     }
     return {GemmConfig::kPingpong64x32};
   }
-  // Large products: 128x256 once its tiles fill a wave, 256x192 where that
-  // leaves no more empty tile slots (TileSlots), or both, one column block
-  // each, where that leaves clearly fewer. 256x192 runs a tile's worth of
-  // work 2-4% faster on the H100 at K=4096 (its comment in
-  // det_gemm_kernels.cu) but fits fewer shapes alone: it takes qkv (N=6144;
-  // the same waste as 128x256) and lm_head (N=128256; less), not o or down
-  // (N=4096), where its last wave or edge tiles waste 2-11% more.
-  //
-  // The split's second kernel starts behind the first one's last wave, so
-  // it pays only where it saves slots: at equal slots (o, N=4096: 256x192
-  // on 3072 columns, 128x256 on 1024) it ran 2% slower than 128x256 alone;
-  // at 1.8-17% fewer it ran 1-16% faster on every shape tried (gate_up
-  // N=28672 1-4%, N=11008 and N=14336 at M=2048..8192 2-11%, M=2048 N=5120
-  // 16%; benchmarks/cuda/det_gemm_split_probe.py, two machines).
-  //
-  // Both need K of 2048 or more. 256x192's advantage is in its mainloop;
-  // with few K tiles its epilogue (CUTLASS's small default subtile) and
-  // prologue weigh more, and it ran 1.5-2% slower than 128x256 at K=512
-  // and 1024 where both waste the same slots (M=4096 N=6144; N=128256
-  // alike), 1% faster at 2048; the gate_up split lost 1.5% at K=1024 and 8%
-  // at K=256, and broke even at 2048 (CUDA-graph replays, two runs each).
-  constexpr int64_t kMinTallK = 2048;
-  if (tiles(128, 256) >= sm_count) {
-    if (k < kMinTallK) return {GemmConfig::kCooperative128x256};
-    const int64_t wide = TileSlots(m, n, 128, 256, sm_count);
-    const int64_t tall = TileSlots(m, n, 256, 192, sm_count);
-    const Split split = BestSplit(m, n, sm_count);
-    // In double: the slot counts of the largest legal products overflow
-    // int64 when scaled.
-    if (split.columns > 0 &&
-        static_cast<double>(split.slots) <=
-            0.985 * static_cast<double>(std::min(wide, tall))) {
-      return {GemmConfig::kSplit256x192And128x256, split.columns};
-    }
-    return {tall <= wide ? GemmConfig::kCooperative256x192
-                         : GemmConfig::kCooperative128x256};
+  // Beyond decode rows: the config of least estimated time, where a
+  // persistent grid of bm x bn tiles takes waves x (per-tile cost) and a
+  // tile costs bm x bn x K multiply-adds at the config's rate plus a fixed
+  // per-tile cost (prologue, epilogue). The waves count the tile slots a
+  // grid spends, the empty slots of its last wave and the padding of its
+  // edge tiles included. The rates and fixed costs are fitted to the H100
+  // sweep of every config on 879 products of eight open-model families, M
+  // 128-16384, forward and both backward layouts
+  // (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-23/det_gemm_sweep-*):
+  // the rule's choice ran 1.017x the fastest config's time in geomean (the
+  // old rule: 1.126x, 158 products past 1.25x), 1.015-1.020x on shapes left
+  // out of the fit. It is the fallback: rlk_jax measures configs on first
+  // use, or reads a shipped table, wherever it can.
+  struct Candidate {
+    GemmConfig config;
+    int bm, bn;
+    int cluster_m, cluster_n;  // 2: tiles are paired along M (N)
+    double ps_per_kmac;        // picoseconds per 1000 multiply-adds of a tile
+    double tile_ns;            // fixed cost per tile
+  };
+  static constexpr Candidate kCandidates[] = {
+      {GemmConfig::kCooperative128x256, 128, 256, 2, 1, 289.3, 2640},
+      {GemmConfig::kCooperative256x192, 256, 192, 2, 1, 273.7, 4212},
+      {GemmConfig::kPingpong128x128, 128, 128, 1, 1, 383.0, 859},
+      {GemmConfig::kCooperative128x128, 128, 128, 2, 1, 365.3, 1208},
+      {GemmConfig::kCooperative256x128, 256, 128, 2, 1, 297.4, 2597},
+      {GemmConfig::kCooperative128x192, 128, 192, 2, 1, 304.4, 1900},
+      {GemmConfig::kCooperative128x256Cluster1x2, 128, 256, 1, 2, 294.6, 2620},
+      {GemmConfig::kPingpong64x256, 64, 256, 1, 1, 413.7, 992},
+      {GemmConfig::kPingpong64x128, 64, 128, 1, 1, 582.4, 397},
+      {GemmConfig::kPingpong64x64, 64, 64, 1, 1, 844.1, 208},
+      {GemmConfig::kPingpong64x32, 64, 32, 1, 1, 1400.3, 124},
+  };
+  auto estimate = [&](const Candidate& c, int64_t columns) {
+    if (columns <= 0) return 0.0;
+    int64_t rows = (m + c.bm - 1) / c.bm, cols = (columns + c.bn - 1) / c.bn;
+    rows += (c.cluster_m == 2) ? rows % 2 : 0;
+    cols += (c.cluster_n == 2) ? cols % 2 : 0;
+    const double waves = static_cast<double>(
+        (rows * cols + sm_count - 1) / sm_count);
+    return waves * (1e-3 * c.ps_per_kmac * c.bm * c.bn * k / 1000.0 +
+                    c.tile_ns);
+  };
+  Plan best{GemmConfig::kCooperative128x256};
+  double best_ns = -1;
+  for (const Candidate& c : kCandidates) {  // ties: the first listed
+    const double ns = estimate(c, n);
+    if (best_ns < 0 || ns < best_ns) best = {c.config}, best_ns = ns;
   }
-  // Mid-size M: 64x128 while it keeps half the SMs busy, else 64x32.
-  return {2 * tiles(64, 128) >= sm_count ? GemmConfig::kPingpong64x128
-                                         : GemmConfig::kPingpong64x32};
+  // Both large tiles, one column block each (kSplit256x192And128x256).
+  const Split split = BestSplit(m, n, sm_count);
+  if (split.columns > 0) {
+    const double ns = estimate(kCandidates[1], split.columns) +
+                      estimate(kCandidates[0], n - split.columns);
+    if (ns < best_ns) {
+      best = {GemmConfig::kSplit256x192And128x256, split.columns};
+    }
+  }
+  return best;
 }
 
 }  // namespace
