@@ -152,7 +152,11 @@ def run(smoke: bool) -> list[Row]:
           row.note += f", {row.median_ms / eager_ms:.2f}x cublas_eager time"
       if row.implementation.startswith("rlk_cuda_ffi"):
         import cuda_ffi  # only where it is available
-        config = cuda_ffi.chosen_config(m, n, k)
+        from rlk_jax import _gemm_tuning
+        # what ran: the tuned (or table, or rule) choice of this product
+        config = _gemm_tuning.choose_config(
+            m, n, k, transpose_a=False, transpose_b=False, out_f32=False,
+            may_tune=False)
         row.note += f" config {config}" + (
             f" ({cuda_ffi.split_columns(m, n)} columns 256x192)"
             if config.startswith("split") else "")
