@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_backend import IMPORT_ERROR, pltriton
 
-__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "CONFIGS", "choose_config",
+__all__ = ["MatmulConfig", "DEFAULT_CONFIG", "CONFIGS", "NAMED_CONFIGS",
+           "choose_config",
            "matmul", "tile_product"]
 
 
@@ -63,11 +64,16 @@ DECODE_NARROW_CONFIG = MatmulConfig(block_m=64, block_n=32, num_warps=4,
 DECODE_WIDE_CONFIG = MatmulConfig(block_m=64, block_n=128, num_warps=4,
                                   num_stages=4, group_m=1)
 CONFIGS = (DEFAULT_CONFIG, WIDE_CONFIG, DECODE_NARROW_CONFIG, DECODE_WIDE_CONFIG)
+# The same configs by name (the tuned tables store names), in the order
+# that settles ties between measured configs.
+NAMED_CONFIGS = {"128x128": DEFAULT_CONFIG, "128x256": WIDE_CONFIG,
+                 "64x32": DECODE_NARROW_CONFIG, "64x128": DECODE_WIDE_CONFIG}
 _SMS = 132  # H100 SXM; only the speed of the choice depends on it
 
 
 def choose_config(m: int, n: int, dtype) -> MatmulConfig:
-  """The tile config for an ``[m, n]`` product of `dtype` operands on a GPU.
+  """The tile config for an ``[m, n]`` product of `dtype` operands on a GPU,
+  by rule (rlk_jax prefers a measured choice where it has one).
 
   Only 2-byte operands get a choice: f32 tiles of 128x256 overflow shared
   memory, and f32 gets no bit-identity promise across tile shapes.

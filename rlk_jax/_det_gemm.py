@@ -35,9 +35,16 @@ GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float3
 
 
 def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
+  config = None  # interpreted: det_matmul's default tiles
+  if not interpret:
+    m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                               a.dtype, out_dtype)[:3]
+    config = _gemm_tuning.choose_pallas_config(
+        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+        dtype=a.dtype)
   return det_matmul.matmul(a, b, transpose_a=transpose_a,
                            transpose_b=transpose_b, out_dtype=out_dtype,
-                           interpret=interpret)
+                           interpret=interpret, config=config)
 
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):

@@ -78,15 +78,15 @@ def device_slug(name: str) -> str:
   return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def pick(times: dict[str, float | None]) -> str:
-  """The config to keep from measured times: the first of CANDIDATES within
-  TIE of the fastest (a fixed order settles ties)."""
+def pick(times: dict[str, float | None], candidates=CANDIDATES) -> str:
+  """The config to keep from measured times: the first of `candidates`
+  within TIE of the fastest (a fixed order settles ties)."""
   measured = {c: t for c, t in times.items() if t is not None and t > 0}
   if not measured:
     raise ValueError("no config was measured")
   fastest = min(measured.values())
-  order = [c for c in CANDIDATES if c in measured] + sorted(
-      c for c in measured if c not in CANDIDATES)
+  order = [c for c in candidates if c in measured] + sorted(
+      c for c in measured if c not in candidates)
   return next(c for c in order if measured[c] <= fastest * (1 + TIE))
 
 
@@ -267,6 +267,45 @@ def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
   return config
 
 
+def pallas_key(m, n, k, transpose_a, transpose_b) -> str:
+  # 2-byte operands only (f16 and bf16 share tiles and tensor-core rate).
+  return f"{int(transpose_a)}{int(transpose_b)}2 {m_bucket(m)} {n} {k}"
+
+
+@functools.cache
+def shipped_pallas_table(device: str) -> Table:
+  if os.environ.get("RLK_DET_GEMM_TUNED_TABLES", "1") == "0":
+    return Table({})
+  path = TABLE_DIR / f"det_gemm_pallas-{device_slug(device)}.json"
+  try:
+    with open(path) as f:
+      return Table(json.load(f)["entries"])
+  except FileNotFoundError:
+    return Table({})
+
+
+def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
+                         transpose_b: bool, dtype, device: str | None = None):
+  """The Pallas det_matmul tile config (a ``MatmulConfig``) for this product
+  on this GPU: the shipped table's measurement for this shape at this M
+  bucket, else at the nearest M, else det_matmul's size rule. Every config
+  gives the same bits (device-tested). Not tuned on first use: JAX runs a
+  device's work on one stream, so timing candidates would wait on work the
+  caller queued; the sweep measures them instead
+  (``--sweep_pallas_configs``)."""
+  import numpy as np
+  from pallas_kernels import det_matmul
+  if np.dtype(dtype).itemsize != 2:
+    return det_matmul.choose_config(m, n, dtype)  # f32: one config
+  device = device or _device_name()
+  key = pallas_key(m, n, k, transpose_a, transpose_b)
+  table = shipped_pallas_table(device)
+  name = table.exact(key) or table.nearest(key)
+  if name in det_matmul.NAMED_CONFIGS:
+    return det_matmul.NAMED_CONFIGS[name]
+  return det_matmul.choose_config(m, n, dtype)
+
+
 def clear_memo() -> None:
   """Forgets this process's choices (tests; a cache edited by hand)."""
   with _lock:
@@ -274,3 +313,4 @@ def clear_memo() -> None:
     _untunable.clear()
     _disk_cache.cache_clear()
     shipped_table.cache_clear()
+    shipped_pallas_table.cache_clear()

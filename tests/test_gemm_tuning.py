@@ -203,9 +203,33 @@ def test_config_names_match_the_header_codes():
 
 
 def test_shipped_tables_name_real_configs():
-  for path in tuning.TABLE_DIR.glob("*.json"):
+  from pallas_kernels import det_matmul
+  paths = sorted(tuning.TABLE_DIR.glob("*.json"))
+  assert any(p.name.startswith("det_gemm_sm90-nvidia-h100") for p in paths)
+  for path in paths:
     table = json.loads(path.read_text())
     assert table["entries"], path
+    sm90 = path.name.startswith("det_gemm_sm90-")
+    names = tuning.CANDIDATES if sm90 else tuple(det_matmul.NAMED_CONFIGS)
+    layout = r"[01]{3}" if sm90 else r"[01]{2}2"
     for key, config in table["entries"].items():
-      assert re.fullmatch(r"[01]{3} \d+ \d+ \d+", key), (path, key)
-      assert config in tuning.CANDIDATES, (path, key, config)
+      assert re.fullmatch(layout + r" \d+ \d+ \d+", key), (path, key)
+      assert config in names, (path, key, config)
+
+
+def test_pallas_choice_table_then_rule(fake_library, monkeypatch):
+  from pallas_kernels import det_matmul
+  import jax.numpy as jnp
+  table_dir = tuning.TABLE_DIR
+  (table_dir / f"det_gemm_pallas-{tuning.device_slug(DEVICE)}.json").write_text(
+      json.dumps({"entries": {"002 1024 4096 4096": "64x128"}}))
+  tuning.clear_memo()
+  pick = lambda m, n=4096, dtype=jnp.bfloat16: tuning.choose_pallas_config(
+      m, n, 4096, transpose_a=False, transpose_b=False, dtype=dtype,
+      device=DEVICE)
+  assert pick(1000) is det_matmul.NAMED_CONFIGS["64x128"]
+  assert pick(1000, dtype=jnp.float16) is det_matmul.NAMED_CONFIGS["64x128"]
+  assert pick(4000) is det_matmul.NAMED_CONFIGS["64x128"]  # nearest M
+  # another shape, or f32 (one config): det_matmul's rule
+  assert pick(4000, n=8192) is det_matmul.choose_config(4000, 8192, jnp.bfloat16)
+  assert pick(1000, dtype=jnp.float32) is det_matmul.DEFAULT_CONFIG
