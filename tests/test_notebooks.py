@@ -56,6 +56,12 @@ def _synthetic_rows():
             ("torch_native", 0.014))
   rows += [("bridge", "det_gemm M=16 K=1024 N=1024 bf16 (cuda)", impl, ms,
             None, None, None, "") for impl, ms in bridge]
+  for m in (128, 1024):
+    for layout in ("fwd", "dA", "dB"):
+      case = f"llama3.1-8b o M={m} K=4096 N=4096 {layout}"
+      rows += [("det_gemm_sweep", case, impl, ms, None, None, None, "")
+               for impl, ms in (("cublas", 0.05), ("rlk_cuda_ffi_kernel", 0.04),
+                                ("xla_dot", 0.06))]
   return rows
 
 
