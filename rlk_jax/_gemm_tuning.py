@@ -189,15 +189,22 @@ def _log2(x: int) -> float:
 
 
 @functools.cache
-def shipped_table(device: str) -> Table:
+def _shipped(kind: str, device: str) -> Table:
+  """The table `kind` ("det_gemm_sm90", "det_gemm_pallas") shipped for
+  `device`, empty when there is none or RLK_DET_GEMM_TUNED_TABLES=0 (the
+  sweep re-measuring what a table would answer)."""
   if os.environ.get("RLK_DET_GEMM_TUNED_TABLES", "1") == "0":
-    return Table({})  # the sweep re-measuring what a table would answer
-  path = TABLE_DIR / f"det_gemm_sm90-{device_slug(device)}.json"
+    return Table({})
+  path = TABLE_DIR / f"{kind}-{device_slug(device)}.json"
   try:
     with open(path) as f:
       return Table(json.load(f)["entries"])
   except FileNotFoundError:
     return Table({})
+
+
+def shipped_table(device: str) -> Table:
+  return _shipped("det_gemm_sm90", device)
 
 
 @functools.cache
@@ -272,18 +279,6 @@ def pallas_key(m, n, k, transpose_a, transpose_b) -> str:
   return f"{int(transpose_a)}{int(transpose_b)}2 {m_bucket(m)} {n} {k}"
 
 
-@functools.cache
-def shipped_pallas_table(device: str) -> Table:
-  if os.environ.get("RLK_DET_GEMM_TUNED_TABLES", "1") == "0":
-    return Table({})
-  path = TABLE_DIR / f"det_gemm_pallas-{device_slug(device)}.json"
-  try:
-    with open(path) as f:
-      return Table(json.load(f)["entries"])
-  except FileNotFoundError:
-    return Table({})
-
-
 def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
                          transpose_b: bool, dtype, device: str | None = None):
   """The Pallas det_matmul tile config (a ``MatmulConfig``) for this product
@@ -299,7 +294,7 @@ def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
     return det_matmul.choose_config(m, n, dtype)  # f32: one config
   device = device or _device_name()
   key = pallas_key(m, n, k, transpose_a, transpose_b)
-  table = shipped_pallas_table(device)
+  table = _shipped("det_gemm_pallas", device)
   name = table.exact(key) or table.nearest(key)
   if name in det_matmul.NAMED_CONFIGS:
     return det_matmul.NAMED_CONFIGS[name]
@@ -312,5 +307,4 @@ def clear_memo() -> None:
     _memo.clear()
     _untunable.clear()
     _disk_cache.cache_clear()
-    shipped_table.cache_clear()
-    shipped_pallas_table.cache_clear()
+    _shipped.cache_clear()
