@@ -163,8 +163,11 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
     hidden: ``[..., H]`` (bf16, f16 or f32).
     weight: ``[H, V]``, the dtype of hidden. (A torch ``lm_head.weight`` is
       ``[V, H]``: pass its transpose.)
-    targets: integer ``[...]``; `ignore_index` (and any id outside [0, V))
-      gives log-prob 0 and no gradient.
+    targets: integer ``[...]``; `ignore_index` gives log-prob 0 and no
+      gradient. Any other id outside [0, V) (a tokenizer/model vocabulary
+      mismatch) gives NaN, so a loss over it is NaN; where the targets are
+      host data (numpy, a list, a CPU array outside jit) it raises a
+      ValueError naming the id instead. Neither costs a host sync.
     temperature: static; logits are divided by it.
     chunk_size: vocabulary chunk of the backward, and of the ``cuda_ffi``
       forward (peak extra memory about ``N x chunk_size`` f32).
@@ -176,8 +179,12 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
   Each row's result is bitwise the same whatever other rows are in the batch
   (per implementation and device).
   """
+  host_targets = _host_values(targets)
   hidden, weight, targets = map(jnp.asarray, (hidden, weight, targets))
   _check(hidden, weight, targets, temperature, chunk_size)
+  if host_targets is not None:
+    check_target_ids(host_targets, weight.shape[1], ignore_index,
+                     "rlk_jax.linear_logp")
   lead = hidden.shape[:-1]
   n = math.prod(lead)
   impl = TABLE.select(implementation, operands=(
@@ -187,7 +194,45 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
                         hidden.reshape(n, hidden.shape[-1]), weight,
                         t.reshape(n))
   logp, entropy = logp.reshape(lead), entropy.reshape(lead)
+  logp = jnp.where(out_of_range(targets, weight.shape[1], ignore_index),
+                   jnp.nan, logp)
   return (logp, entropy) if return_entropy else logp
+
+
+def out_of_range(targets, v, ignore_index):
+  """Targets that are neither an id of the vocabulary nor ignore_index:
+  their log-prob is NaN, never a silent 0 (works on jax and torch arrays)."""
+  return (targets != ignore_index) & ((targets < 0) | (targets >= v))
+
+
+def check_target_ids(targets, v, ignore_index, op):
+  """Raises naming the first target outside [0, V) that is not
+  ignore_index; `targets` is host data (numpy or a CPU torch tensor)."""
+  bad = out_of_range(targets, v, ignore_index)
+  if bad.any():
+    flat = bad.reshape(-1).nonzero()[0]
+    first = int(flat[0])
+    raise ValueError(
+        f"{op}: target id {int(targets.reshape(-1)[first])} (flat position "
+        f"{first}; {int(bad.sum())} such ids) is outside the vocabulary "
+        f"[0, V={v}) and is not ignore_index={ignore_index}: does the "
+        f"tokenizer match the model?")
+
+
+def _host_values(targets):
+  """`targets` as numpy when reading them costs no device sync: host data,
+  or a committed array on CPU devices; None otherwise (a tracer, a GPU
+  array)."""
+  import numpy as np
+  if isinstance(targets, jax.core.Tracer):
+    return None
+  if isinstance(targets, jax.Array):
+    if any(d.platform != "cpu" for d in targets.devices()):
+      return None
+  try:
+    return np.asarray(targets)
+  except Exception:  # noqa: BLE001 - anything numpy cannot read is not host data
+    return None
 
 
 def _check(hidden, weight, targets, temperature, chunk_size):

@@ -29,7 +29,9 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   `weight` is ``lm_head.weight``, ``[V, H]`` (torch's layout; rlk_jax takes
   ``[H, V]``: the bridge hands JAX a contiguous ``[H, V]`` copy, one weight
   read and write per call). `hidden` is ``[..., H]``, `targets` integer
-  ``[...]`` (`ignore_index` gives 0 and no gradient). Gradients flow to
+  ``[...]`` (`ignore_index` gives 0 and no gradient; any other id outside
+  [0, V) gives NaN, or a ValueError naming it where the targets are on the
+  CPU, so no device sync). Gradients flow to
   `hidden` and `weight`. Runs as the operators ``torch.ops.rlk.linear_logp``
   and ``torch.ops.rlk.linear_logp_backward``.
   """
@@ -46,10 +48,16 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
     _linear_logp._check(_spec(hidden), _spec(weight, transposed=True),
                         _spec(targets), temperature, chunk_size)
   lead = hidden.shape[:-1]
+  v = weight.shape[0]
+  if not torch.compiler.is_compiling() and targets.device.type == "cpu":
+    _linear_logp.check_target_ids(targets, v, ignore_index,
+                                  "rlk_torch_bridge.linear_logp")
+  bad = _linear_logp.out_of_range(targets, v, ignore_index)
   # Token ids fit int32; JAX without x64 has no int64.
   targets = torch.where(targets == ignore_index, -1, targets).to(torch.int32)
   logp, entropy, _ = _library.call(
       _logp_op.FORWARD, hidden.reshape(-1, hidden.shape[-1]), weight,
       targets.reshape(-1), float(temperature), int(chunk_size), implementation)
   logp, entropy = logp.view(lead), entropy.view(lead)
+  logp = torch.where(bad, torch.nan, logp)
   return (logp, entropy) if return_entropy else logp

@@ -126,6 +126,29 @@ def test_bad_inputs(rng):
     rlk_jax.linear_logp(hidden, weight, targets, temperature=0.0)
 
 
+def test_out_of_range_targets_are_nan_under_jit_and_errors_on_host(rng):
+  # A vocabulary mismatch must be loud: NaN where the targets are on the
+  # device (no sync), an error naming the id where they are host data.
+  hidden, weight, targets = problem(rng, 8)
+  bad = targets.at[2].set(V).at[5].set(-7).at[6].set(-100)
+  f = jax.jit(functools.partial(rlk_jax.linear_logp, implementation="xla"))
+  got, want = f(hidden, weight, bad), f(hidden, weight, targets)
+  assert np.isnan(got[2]) and np.isnan(got[5]) and got[6] == 0
+  keep = np.array([0, 1, 3, 4, 7])
+  assert_bitwise_equal(got[keep], want[keep])
+  loss = jax.jit(lambda h, t: rlk_jax.linear_logp(h, weight, t).sum())
+  assert np.isnan(loss(hidden, bad))
+  for host in (np.asarray(bad), np.asarray(bad).tolist(), bad):  # bad: a CPU array
+    with pytest.raises(ValueError, match=rf"target id {V} \(flat position 2; "
+                       rf"2 such ids\) is outside the vocabulary \[0, V={V}\)"):
+      rlk_jax.linear_logp(hidden, weight, host)
+  # ignore_index is not out of range, whatever its value
+  ok = rlk_jax.linear_logp(hidden, weight,
+                           np.asarray(bad.at[2].set(3).at[6].set(4)),
+                           ignore_index=-7)
+  assert ok[5] == 0 and np.isfinite(ok).all()
+
+
 @pytest.mark.parametrize("chunk", [128, 384])
 def test_chunked_stats_fold_matches_the_oracle_and_is_row_invariant(chunk, rng):
   # The cuda_ffi forward's second half: precomputed logits folded chunk by

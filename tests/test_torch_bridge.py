@@ -201,6 +201,19 @@ def test_linear_logp_errors(rng):
     rtb.linear_logp(randn(rng, (4, 7)), weight, torch.zeros(4, dtype=torch.long))
 
 
+def test_linear_logp_out_of_range_targets(rng):
+  hidden, weight = randn(rng, (4, 8)), randn(rng, (10, 8))
+  targets = torch.tensor([1, 10, -100, -3])
+  with pytest.raises(ValueError, match=r"target id 10 \(flat position 1; 2 "
+                     r"such ids\) is outside the vocabulary \[0, V=10\)"):
+    rtb.linear_logp(hidden, weight, targets)
+  # traced (no host check): NaN where the id is out of range, 0 where ignored
+  compiled = torch.compile(rtb.linear_logp, backend="aot_eager", fullgraph=True)
+  logp = compiled(hidden, weight, targets)
+  assert torch.isnan(logp[1]) and torch.isnan(logp[3]) and logp[2] == 0
+  assert torch.isfinite(logp[0])
+
+
 def test_pack_info_fields_view_one_buffer_and_convert_to_jax(rng):
   x = randn(rng, (3, 10, 4))
   mask = torch.from_numpy(rng.random((3, 10)) < 0.5)

@@ -38,124 +38,82 @@ namespace {
 
 using namespace cute;
 
-struct Cooperative128x256 {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
+// The two warp-specialized schedules: cooperative (both consumer
+// warpgroups on one tile) and ping-pong (each on its own tile, alternating
+// mainloop and epilogue).
+struct Cooperative {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  // Epilogue subtiles of 128 rows x 256 bytes (128 bf16 or 64 f32 columns)
-  // instead of CUTLASS's 128x32: a quarter (f32: half) of the store rounds
-  // between the mainloops of two tiles, for one mainloop stage fewer (3 of
-  // 48 KB, not 4). The
-  // tensor cores idle through a cooperative epilogue; on the H100 this ran
-  // the five M=4096 projections 0.3-2.5% faster in interleaved rounds
-  // (benchmarks/cuda/det_gemm_variants.py; 128x64 gained about half).
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// A config: kM x kN output tiles, the 64-wide K tile every config shares
+// (it fixes the K order, hence the bits), a cluster and a schedule.
+template <int kM, int kN, int kClusterM, int kClusterN, class Schedule>
+struct Tiles : Schedule {
+  using Tile = Shape<Int<kM>, Int<kN>, _64>;
+  using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+};
+
+// Epilogue subtiles of 128 rows x 256 bytes (128 bf16 or 64 f32 columns)
+// instead of CUTLASS's 128x32: a quarter (f32: half) of the store rounds
+// between the mainloops of two tiles, for one mainloop stage fewer (3 of 48
+// KB, not 4). The tensor cores idle through a cooperative epilogue; on the
+// H100 this ran the five M=4096 projections 0.3-2.5% faster in interleaved
+// rounds (benchmarks/cuda/det_gemm_variants.py; 128x64 gained about half).
+template <class ElementD>
+using WideEpilogueTile = Shape<_128, Int<256 / sizeof(ElementD)>>;
+
+// 2x1 cluster: the large-M projections.
+struct Cooperative128x256 : Tiles<128, 256, 2, 1, Cooperative> {
   template <class ElementD>
-  using EpilogueTile = Shape<_128, Int<256 / sizeof(ElementD)>>;
+  using EpilogueTile = WideEpilogueTile<ElementD>;
 };
 
-// Large products whose N splits into whole 192-column tiles with a last wave
-// as full as 128x256's (ChooseConfig), and the first column block of a
-// kSplit256x192And128x256 product. Each consumer warpgroup holds a
-// 128x192 accumulator (192 f32 registers; ptxas spills none), and with B
-// shared across the 2x1 cluster a CTA reads 0.90 bytes from L2 per output
-// per K tile against 0.98 for 128x256. On the H100, in interleaved rounds
-// against cuBLAS on two machines, it ran qkv (4096x4096x6144) 2.2% and 4.1%
-// faster than 128x256, lm_head (N=128256) 2.9% and 2.0% faster
-// (benchmarks/cuda/det_gemm_variants.py, variant 34); at K <= 1024, where
-// its epilogue weighs more, 1.5-2% slower, so ChooseConfig takes it only
-// from K=2048. CUTLASS's default
-// epilogue subtile: 128x256 bytes of subtile would leave two mainloop
-// stages of 56 KB, not three.
-struct Cooperative256x192 {
-  using Tile = Shape<_256, _192, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
+// Large products whose N splits into whole 192-column tiles, and the first
+// column block of a kSplit256x192And128x256 product. Each consumer
+// warpgroup holds a 128x192 accumulator (192 f32 registers; ptxas spills
+// none), and with B shared across the 2x1 cluster a CTA reads 0.90 bytes
+// from L2 per output per K tile against 0.98 for 128x256. On the H100, in
+// interleaved rounds against cuBLAS on two machines, it ran qkv
+// (4096x4096x6144) 2.2% and 4.1% faster than 128x256, lm_head (N=128256)
+// 2.9% and 2.0% faster (benchmarks/cuda/det_gemm_variants.py, variant 34).
+// CUTLASS's default epilogue subtile: 128x256 bytes of subtile would leave
+// two mainloop stages of 56 KB, not three.
+using Cooperative256x192 = Tiles<256, 192, 2, 1, Cooperative>;
 
-struct Pingpong64x128 {
-  using Tile = Shape<_64, _128, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
-struct Pingpong64x64 {
-  using Tile = Shape<_64, _64, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
-struct Pingpong64x32 {
-  using Tile = Shape<_64, _32, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
+// Small M: narrow tiles, more of them; decode with few output columns:
+// enough tiles to keep several SMs streaming the weight.
+using Pingpong64x128 = Tiles<64, 128, 1, 1, Pingpong>;
+using Pingpong64x64 = Tiles<64, 64, 1, 1, Pingpong>;
+using Pingpong64x32 = Tiles<64, 32, 1, 1, Pingpong>;
 
 // Decode rows, swapped (SwapABOf below): 64 columns of C fill the MMA's 64
 // rows and up to 32 rows of A its N side, so a row of A costs 32 of MMA
 // width instead of 64 rows, and the weight streams through twice as many
 // CTAs as 64x128 tiles would give.
-struct SwapPingpong64x32 {
+struct SwapPingpong64x32 : Tiles<64, 32, 1, 1, Pingpong> {
   static constexpr bool kSwapAB = true;
-  using Tile = Shape<_64, _32, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
 // The wider set the autotuner chooses from (rlk_jax/_gemm_tuning.py): the
 // H100 sweep of open models' projections showed M=1024 products at
 // 0.38-0.81x cuBLAS with the configs above alone, where a 128-row tile
 // fills one wave that 64x128 needs many thin ones for.
-struct Pingpong128x128 {
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
-struct Cooperative128x128 {
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-
-struct Cooperative256x128 {
-  using Tile = Shape<_256, _128, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-
-struct Cooperative128x192 {
-  using Tile = Shape<_128, _192, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-
-struct Pingpong64x256 {
-  using Tile = Shape<_64, _256, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
+using Pingpong128x128 = Tiles<128, 128, 1, 1, Pingpong>;
+using Cooperative128x128 = Tiles<128, 128, 2, 1, Cooperative>;
+using Cooperative256x128 = Tiles<256, 128, 2, 1, Cooperative>;  // narrow N
+using Cooperative128x192 = Tiles<128, 192, 2, 1, Cooperative>;
+using Pingpong64x256 = Tiles<64, 256, 1, 1, Pingpong>;  // a few hundred rows
 // The 1x2 cluster multicasts A's tile to two CTAs side by side in N: for
 // few row tiles and many column tiles, where the 2x1 cluster would pair a
 // real row tile with padding.
-struct Cooperative128x256Cluster1x2 {
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_1, _2, _1>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+struct Cooperative128x256Cluster1x2 : Tiles<128, 256, 1, 2, Cooperative> {
   template <class ElementD>
-  using EpilogueTile = Shape<_128, Int<256 / sizeof(ElementD)>>;
+  using EpilogueTile = WideEpilogueTile<ElementD>;
 };
 
 // A config may name its epilogue subtile per output type
