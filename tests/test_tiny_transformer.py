@@ -73,7 +73,9 @@ def test_packed_replay_equals_dense_replay_bitwise(dtype, n_layers, rng):
 
   ok = defined(mask, prompt_lens, response_lens, r)
   packed = np.asarray(packed)
-  assert ok.sum() >= 20
+  # 19 fixed response tokens plus two random ones (>= 1 each), less the
+  # first of each of the two empty-prompt sequences: at least 19.
+  assert ok.sum() >= 19
   assert np.isfinite(packed).all()
   assert (packed[ok] < 0).all()  # real, nonzero log-probs: not 0 == 0
   assert (bits(packed[~ok]) == 0).all()  # +0.0 where nothing is predicted
