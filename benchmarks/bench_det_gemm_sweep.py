@@ -17,7 +17,11 @@ Competitors, timed in interleaved rounds per product: ``cublas``
 ``lax.dot_general``), ``rlk_cuda_ffi_kernel`` (the SM90 kernel on the config
 rlk chooses, launched through the torch operator, CUDA-graph replay: kernel
 against kernel), ``rlk_cuda_ffi`` and ``rlk_pallas`` (rlk's det_gemm
-primitive in a jitted JAX program: the route a JAX user calls). Where rlk
+primitive in a jitted JAX program: the route a JAX user calls) and
+``cublaslt_vllm_recipe`` (torch.matmul under vLLM's batch-invariant
+settings for Hopper, in a child process per family because cuBLAS reads
+them once, interleaved there with rlk's kernel; its ratio is to the
+parent's cuBLAS time). Where rlk
 tunes a product on first use, the timings of every SM90 config go to
 ``det_gemm_configs.csv`` and the choices to a tuned table
 (``det_gemm_sm90-<device>.json``) beside the report: the data the shipped
@@ -40,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from benchmarks import harness
+from benchmarks import cublaslt_recipe, harness
 from benchmarks.harness import Row
 
 BENCH = "det_gemm_sweep"
@@ -72,7 +76,7 @@ SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
 SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LAYOUTS = ("fwd", "dA", "dB")
 IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
-         "rlk_pallas")
+         "rlk_pallas", "cublaslt_vllm_recipe")
 
 FAMILIES_FLAG = flags.DEFINE_list("sweep_families", None,
                                   f"Families to run (default all: "
@@ -183,6 +187,7 @@ def run(smoke: bool) -> list[Row]:
   rows, skipped = [], 0
   deadline = time.monotonic() + (BUDGET_S.value or float("inf"))
   for family, dims in families.items():
+    recipe_products = []
     for proj, k, n in products(family, dims):
       for m in ms:
         if (2 * max(m * k, k * n, m * n) > MAX_GIB.value * 2**30
@@ -192,6 +197,11 @@ def run(smoke: bool) -> list[Row]:
         for layout in LAYOUTS:
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
+          recipe_products.append(
+              [f"{family} {proj} M={m} K={k} N={n} {layout}", m, k, n, layout])
+    if (cublaslt_recipe.RECIPE in impls and torch is not None and on_gpu
+        and recipe_products):
+      rows += _recipe_rows(recipe_products, rows)
   if skipped:
     harness.progress(Row(BENCH, f"{skipped} products left out (operands "
                          f"> {MAX_GIB.value} GiB, or past the time budget)",
@@ -262,6 +272,31 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
       notes.append(f"config {config}")
     row.note = "; ".join(filter(None, [row.note, *notes]))
   return rows
+
+
+def _recipe_rows(recipe_products, rows) -> list[Row]:
+  """vLLM's recipe on one family's products, timed in a child process."""
+  name = cublaslt_recipe.RECIPE
+  try:
+    timed = cublaslt_recipe.run_job(
+        {"kind": "time", "products": recipe_products}, setting=name)
+  except Exception as e:  # noqa: BLE001 - reported as a row, not hidden
+    return [harness._failed_row(BENCH, recipe_products[0][0], name, e)]
+  peer = {r.case: r.median_ms for r in rows
+          if r.implementation == "cublas" and r.median_ms}
+  rlk_there = {r["case"]: r["median_ms"] for r in timed
+               if r["implementation"] == "rlk_cuda_ffi_kernel"}
+  out = []
+  for r in (Row(**r) for r in timed if r["implementation"] == name):
+    notes = [r.note]
+    if r.median_ms and peer.get(r.case):
+      notes.append(f"{peer[r.case] / r.median_ms:.2f}x cublas")
+    if r.median_ms and rlk_there.get(r.case):
+      notes.append(f"{r.median_ms / rlk_there[r.case]:.2f}x the time of "
+                   "rlk_cuda_ffi_kernel in its process")
+    r.note = "; ".join(filter(None, notes))
+    out.append(r)
+  return out
 
 
 # key -> {config: ms} of every product whose Pallas configs were timed.

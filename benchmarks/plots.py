@@ -284,8 +284,10 @@ def invariance_figure(rows):
   inside the reference product ("M=16 vs M=4096"), per m; zero is
   batch-invariant. Invariant implementations all sit on zero, so each gets
   its own marker, larger first, to stay visible under the next."""
+  # The "K=... N=..." products; the sweep's shapes are a table in the report.
   rows = select(rows, "invariance",
-                lambda r: _rows_differ(r) is not None and _m(r) is not None)
+                lambda r: _rows_differ(r) is not None and _m(r) is not None
+                and r["case"].startswith("K="))
   if not rows:
     return None
   panels = collections.defaultdict(lambda: collections.defaultdict(list))

@@ -47,6 +47,19 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   assert sweep == {(p, l) for p in ("qkv", "o", "gate_up", "down", "lm_head")
                    for l in ("fwd", "dA", "dB")}
   assert all(r["commit"] and r["device"] for r in rows)
+  # torch.matmul's settings run in child processes (torch's CPU matmul here):
+  # every one answers, on the K=/N= products and on the sweep's shapes.
+  invariance = [r for r in rows if r["benchmark"] == "invariance"]
+  assert not [r for r in invariance if "FAILED" in r["note"]]
+  by_impl = {}
+  for r in invariance:
+    by_impl.setdefault(r["implementation"], []).append(r)
+  assert {"cublas", "cublas_no_splitk", "cublaslt_vllm_recipe",
+          "rlk_xla"} <= set(by_impl), set(by_impl)
+  recipe_shapes = [r for r in by_impl["cublaslt_vllm_recipe"]
+                   if r["case"].startswith("tiny")]
+  assert len(recipe_shapes) == 10 * 6  # 5 products x 2 layouts x (5 m + rlk)
+  assert sum("rows_differ_from_rlk=" in r["note"] for r in recipe_shapes) == 10
   report = (out / "report.md").read_text()
   assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops",
                                            "det_gemm_sweep"))
