@@ -23,7 +23,8 @@ Jobs (JSON on stdin, JSON on stdout's last line):
   (``rlk``) for rlk's kernel, and how many of the M=full rows differ
   between the two;
 * ``{"kind": "time", "products": [[case, m, k, n, layout], ...]}``: torch's
-  and rlk's kernel timed in interleaved rounds (CUDA-graph replay), as rows;
+  and rlk's kernel timed in interleaved rounds (CUDA-graph replay), as rows,
+  with the kernel torch ran in the note;
 * ``{"kind": "k_alignment", "products": [[m, k, n], ...]}``: a probe of
   K that is not a multiple of 8 (``_k_alignment``).
 """
@@ -180,12 +181,20 @@ def _time(torch, job) -> list[dict]:
              for i in range(n_sets)]
     flops = 2 * m * n * k
     iters = max(1, round(2e-3 * 700e12 / (flops * n_sets)))
-    rows += harness.interleaved_rows(sweep.BENCH, case, {
-        name: lambda: harness.torch_batch(
-            sweep._torch_product(torch, ta, tb), pairs, graph=True),
+    product = sweep._torch_product(torch, ta, tb)
+    timed = harness.interleaved_rows(sweep.BENCH, case, {
+        name: lambda: harness.torch_batch(product, pairs, graph=True),
         "rlk_cuda_ffi_kernel": lambda: harness.torch_batch(
             sweep._rlk_torch(torch, ta, tb), pairs, graph=True),
     }, flops=flops, iters=iters, repeats=5, warmup=1)
+    # Which kernel cuBLAS chose: where it runs faster with rlk's bits, its
+    # tile and cluster shapes say what config rlk lacks.
+    try:
+      kernels = " ".join(_kernel_names(torch, lambda: product(*pairs[0])))
+    except Exception as e:  # noqa: BLE001 - the timing stands without it
+      kernels = f"unknown ({type(e).__name__})"
+    timed[0].note = "; ".join(filter(None, [timed[0].note, f"kernel {kernels}"]))
+    rows += timed
     del pairs
     torch.cuda.empty_cache()
   return [dataclasses.asdict(r) for r in rows]

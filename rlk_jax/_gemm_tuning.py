@@ -46,7 +46,8 @@ CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
               "cooperative_128x128", "cooperative_256x128",
               "cooperative_128x192", "cooperative_128x256_cluster_1x2",
               "pingpong_64x256", "pingpong_64x128", "pingpong_64x64",
-              "pingpong_64x32", "swap_pingpong_64x32")
+              "pingpong_64x32", "swap_pingpong_64x32",
+              "pingpong_64x128_cluster_2x1", "pingpong_64x64_cluster_2x1")
 # Within 1% of the fastest counts as a tie (run-to-run noise on the H100 is
 # about that).
 TIE = 0.01

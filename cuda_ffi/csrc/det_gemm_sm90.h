@@ -66,7 +66,9 @@ enum class GemmConfig : int {
   kCooperative128x192 = 11,  // 2x1 cluster: N in 192s at mid M
   kPingpong64x256 = 12,      // a few hundred rows, wide N
   kCooperative128x256Cluster1x2 = 13,  // A shared along N: short, wide
-  kLastConfig = kCooperative128x256Cluster1x2,
+  kPingpong64x128Cluster2x1 = 14,  // B shared by two row tiles: a few
+  kPingpong64x64Cluster2x1 = 15,   // hundred rows, a long K
+  kLastConfig = kPingpong64x64Cluster2x1,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -76,7 +78,8 @@ enum class GemmConfig : int {
   X(kCooperative128x256) X(kPingpong64x128) X(kPingpong64x32)            \
   X(kPingpong64x64) X(kSwapPingpong64x32) X(kCooperative256x192)         \
   X(kPingpong128x128) X(kCooperative128x128) X(kCooperative256x128)      \
-  X(kCooperative128x192) X(kPingpong64x256) X(kCooperative128x256Cluster1x2)
+  X(kCooperative128x192) X(kPingpong64x256) X(kCooperative128x256Cluster1x2) \
+  X(kPingpong64x128Cluster2x1) X(kPingpong64x64Cluster2x1)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
