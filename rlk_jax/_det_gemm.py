@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import det_matmul
+from triton_kernels import det_matmul as triton_det_matmul
 from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -45,6 +46,19 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
   return det_matmul.matmul(a, b, transpose_a=transpose_a,
                            transpose_b=transpose_b, out_dtype=out_dtype,
                            interpret=interpret, config=config)
+
+
+def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  # The Pallas kernel's tile vocabulary and choice: the same arithmetic.
+  m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                             a.dtype, out_dtype)[:3]
+  if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
+    return jnp.zeros((m, n), out_dtype)
+  config = _gemm_tuning.choose_pallas_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype)
+  return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
+                                  transpose_b=transpose_b,
+                                  out_dtype=out_dtype, config=config)
 
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
@@ -83,6 +97,10 @@ TABLE = _dispatch.register_reference_and_pallas(
         "CUTLASS SM90 TMA warp-specialized kernels behind an XLA FFI call "
         "(Hopper; bf16 operands, K and N multiples of 8)",
         operand_check=cuda_ffi.operand_reason)],
+    gpu_last=[_dispatch.Implementation(
+        "triton", _triton_matmul, triton_det_matmul.unavailable_reason,
+        "the same tiled K-ordered kernel as a @triton.jit function, launched "
+        "through jax-triton (and natively from torch); CUDA GPUs")],
 )
 
 

@@ -104,13 +104,15 @@ def current_platform() -> str:
 def register_reference_and_pallas(op: str, *, reference: Callable,
                                   reference_doc: str, pallas: Callable,
                                   pallas_doc: str,
-                                  gpu_first: Sequence[Implementation] = ()
+                                  gpu_first: Sequence[Implementation] = (),
+                                  gpu_last: Sequence[Implementation] = ()
                                   ) -> OpTable:
   """The table every rlk op has: ``"xla"``, the plain-jnp reference (runs
   anywhere; the CPU default), and ``"pallas"``, a Triton-lowered kernel (the
   GPU default) that runs through the Pallas interpreter on CPUs; plus
   `gpu_first`, preferred over both on GPUs where available (e.g. det_gemm's
-  SM90 CUTLASS kernels).
+  SM90 CUTLASS kernels), and `gpu_last`, after them (named, or where
+  nothing before them takes the call).
 
   `pallas` takes the op's arguments plus ``interpret=``, decided here at
   trace time from the platform.
@@ -130,10 +132,11 @@ def register_reference_and_pallas(op: str, *, reference: Callable,
           "pallas": Implementation("pallas", run_pallas,
                                    triton_backend.unavailable_reason,
                                    pallas_doc),
-          **{impl.name: impl for impl in gpu_first},
+          **{impl.name: impl for impl in (*gpu_first, *gpu_last)},
       },
       preference={"cpu": ("xla",),
-                  "gpu": (*(impl.name for impl in gpu_first), "pallas", "xla")},
+                  "gpu": (*(impl.name for impl in gpu_first), "pallas",
+                          *(impl.name for impl in gpu_last), "xla")},
   ))
 
 

@@ -21,6 +21,7 @@ import torch
 
 from rlk_jax import _det_gemm, _gemm_tuning
 from rlk_torch_bridge import _library, _sm90
+from triton_kernels import det_matmul as triton_det_matmul
 from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
                                       to_torch)
 
@@ -115,6 +116,20 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
     product = _sm90.product_launcher(m, n, k, transpose_a, transpose_b,
                                      out_dtype, config)
     return lambda a, b: shaped(product(flat(a), b))
+  if impl == "triton" and a.is_cuda:
+    # The kernel JAX launches through jax-triton, launched by Triton itself
+    # on torch's current stream: the same compiled kernel, no DLPack.
+    config = _gemm_tuning.choose_pallas_config(
+        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+        dtype=jax_dtype(a.dtype))
+
+    def native(a, b):
+      out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+      triton_det_matmul.matmul_torch(
+          flat(a).contiguous(), b.contiguous(), out, transpose_a=transpose_a,
+          transpose_b=transpose_b, config=config)
+      return shaped(out)
+    return native
   jax_out_dtype = jax_dtype(out_dtype)
 
   def through_jax(a, b):

@@ -8,6 +8,11 @@ import numpy as np
 import pytest
 
 ON_GPU = jax.default_backend() == "gpu"
+# Without a GPU, rlk's @triton.jit kernels run in Triton's interpreter (set
+# before anything imports triton_kernels: triton.jit reads it when the
+# kernel is defined).
+if not ON_GPU:
+  os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

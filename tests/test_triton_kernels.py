@@ -1,0 +1,100 @@
+"""triton_kernels.det_matmul's arithmetic on CPU, in Triton's interpreter
+(conftest sets TRITON_INTERPRET=1 without a GPU), launched the way the torch
+bridge launches it: accuracy against float64 in every operand layout,
+ragged and power-of-two sizes, row invariance and K zero-padding bitwise.
+The GPU bits (against cuda_ffi and Pallas, JAX and torch routes) are
+tests/test_triton_kernels_gpu.py's."""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import ON_GPU
+
+triton = pytest.importorskip("triton", reason="Triton wheels: Linux x86_64")
+torch = pytest.importorskip("torch")
+from triton_kernels import det_matmul  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        ON_GPU or os.environ.get("TRITON_INTERPRET") != "1",
+        reason="the interpreter runs on CPU machines (the GPU file covers "
+               "GPUs)"),
+    # triton 3.6's interpreter (see docs/triton_kernels.md); numpy < 2.4
+    # only warns.
+    pytest.mark.filterwarnings(
+        "ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+Config = collections.namedtuple(
+    "Config", "block_m block_n block_k group_m num_warps num_stages")
+SMALL = Config(32, 32, 64, 2, 4, 3)
+WIDE = Config(64, 128, 64, 8, 4, 3)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float32": torch.float32}
+
+
+def operands(rng, m, n, k, transpose_a, transpose_b, dtype):
+  a = torch.from_numpy(rng.standard_normal((m, k), np.float32)).to(dtype)
+  b = torch.from_numpy(rng.standard_normal((k, n), np.float32)).to(dtype)
+  stored_a = a.T.contiguous() if transpose_a else a
+  stored_b = b.T.contiguous() if transpose_b else b
+  return a, b, stored_a, stored_b
+
+
+def run(stored_a, stored_b, m, n, transpose_a, transpose_b, config,
+        out_dtype=torch.float32):
+  out = torch.empty((m, n), dtype=out_dtype)
+  return det_matmul.matmul_torch(stored_a, stored_b, out,
+                                 transpose_a=transpose_a,
+                                 transpose_b=transpose_b, config=config)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("transpose_a,transpose_b",
+                         [(False, False), (False, True), (True, False),
+                          (True, True)])
+@pytest.mark.parametrize("m,n,k", [(37, 50, 200), (64, 96, 256)])
+def test_accurate_in_every_layout(dtype, transpose_a, transpose_b, m, n, k,
+                                  rng):
+  a, b, sa, sb = operands(rng, m, n, k, transpose_a, transpose_b,
+                          DTYPES[dtype])
+  got = run(sa, sb, m, n, transpose_a, transpose_b, SMALL)
+  want = a.double() @ b.double()
+  err = float((got.double() - want).norm() / want.norm())
+  assert err < 1e-6, err  # f32 accumulation of exact products
+  low = run(sa, sb, m, n, transpose_a, transpose_b, SMALL, DTYPES[dtype])
+  err = float((low.double() - want).norm() / want.norm())
+  assert err < {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-6}[dtype]
+
+
+@pytest.mark.parametrize("config", [SMALL, WIDE])
+def test_rows_do_not_depend_on_the_batch(config, rng):
+  m, n, k = 150, 70, 192
+  _, _, a, b = operands(rng, m, n, k, False, False, torch.bfloat16)
+  full = run(a, b, m, n, False, False, config, torch.bfloat16)
+  for rows in (1, 7, 33, 100):
+    part = run(a[:rows].contiguous(), b, rows, n, False, False, config,
+               torch.bfloat16)
+    assert torch.equal(part.view(torch.int16), full[:rows].view(torch.int16))
+
+
+def test_zero_padding_k_changes_no_bit(rng):
+  m, n, k = 40, 48, 200
+  _, _, a, b = operands(rng, m, n, k, False, False, torch.bfloat16)
+  padded_a = torch.nn.functional.pad(a, (0, 56))
+  padded_b = torch.nn.functional.pad(b, (0, 0, 0, 56))
+  got = run(a, b, m, n, False, False, SMALL)
+  padded = run(padded_a, padded_b, m, n, False, False, SMALL)
+  assert torch.equal(got.view(torch.int32), padded.view(torch.int32))
+
+
+def test_the_jax_route_says_why_it_is_unavailable_here():
+  why = rlk_jax.implementations("det_gemm")["triton"]
+  assert why is not None and "CUDA GPUs" in why
+  with pytest.raises(RuntimeError, match="'triton' is not available"):
+    rlk_jax.det_gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+                     implementation="triton")

@@ -1,0 +1,118 @@
+"""triton_kernels.det_matmul on a CUDA GPU (`pytest -m gpu`): the @triton.jit
+kernel through jax-triton (rlk_jax's "triton" implementation) and launched
+natively from torch (the bridge), against each other and against the
+Pallas and SM90 kernels, bitwise; every tile config alike; rows invariant."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import ON_GPU, assert_bitwise_equal, random_array
+from pallas_kernels import det_matmul as pallas_det_matmul
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU"),
+    pytest.mark.skipif(ON_GPU and rlk_jax.implementations("det_gemm")["triton"]
+                       is not None, reason="requires triton and jax-triton"),
+]
+
+# (M, K, N, transpose_a, transpose_b): ragged M/N/K, power-of-two K, and the
+# backward's stored-transposed layouts.
+CASES = [(1, 4096, 4096, False, False), (3, 1000, 264, False, False),
+         (17, 1024, 1000, False, True), (300, 512, 2000, True, False),
+         (264, 776, 1032, True, True), (1000, 4096, 4096, False, False)]
+
+
+def _operands(rng, case, dtype):
+  m, k, n, ta, tb = case
+  return (random_array(rng, (k, m) if ta else (m, k), dtype),
+          random_array(rng, (n, k) if tb else (k, n), dtype))
+
+
+def _det_gemm(impl, ta, tb, out_dtype):
+  from rlk_jax import _det_gemm
+  return jax.jit(functools.partial(_det_gemm._matmul, impl, ta, tb,
+                                   jnp.dtype(out_dtype)))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_equals_pallas_and_cuda_ffi_bits(case, out_dtype, rng):
+  m, k, n, ta, tb = case
+  a, b = _operands(rng, case, jnp.bfloat16)
+  got = _det_gemm("triton", ta, tb, out_dtype)(a, b)
+  assert_bitwise_equal(got, _det_gemm("pallas", ta, tb, out_dtype)(a, b),
+                       "triton vs pallas")
+  from rlk_jax import _det_gemm
+  sm90 = _det_gemm.TABLE.implementations["cuda_ffi"]
+  if (rlk_jax.implementations("det_gemm")["cuda_ffi"] is None
+      and sm90.operand_reason(_det_gemm.product_operands(
+          a.shape, b.shape, ta, tb, a.dtype, jnp.dtype(out_dtype))) is None):
+    assert_bitwise_equal(got, _det_gemm("cuda_ffi", ta, tb, out_dtype)(a, b),
+                         "triton vs cuda_ffi")
+  ref = (np.asarray(a, np.float64).T if ta else np.asarray(a, np.float64)) @ (
+      np.asarray(b, np.float64).T if tb else np.asarray(b, np.float64))
+  err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+  assert err < (1e-5 if out_dtype == jnp.float32 else 8e-3), err
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+def test_every_tile_config_gives_the_same_bits(case, rng):
+  from triton_kernels import det_matmul
+  m, k, n, ta, tb = case
+  a, b = _operands(rng, case, jnp.bfloat16)
+  outs = {name: jax.jit(functools.partial(
+      det_matmul.matmul, transpose_a=ta, transpose_b=tb,
+      out_dtype=jnp.bfloat16, config=cfg))(a, b)
+          for name, cfg in pallas_det_matmul.NAMED_CONFIGS.items()}
+  first = next(iter(outs))
+  for name, out in outs.items():
+    assert_bitwise_equal(out, outs[first], f"{name} vs {first}")
+
+
+def test_rows_are_batch_invariant(rng):
+  a = random_array(rng, (2048, 4096), jnp.bfloat16)
+  b = random_array(rng, (4096, 3584), jnp.bfloat16)
+  gemm = jax.jit(lambda a, b: rlk_jax.det_gemm(a, b, implementation="triton"))
+  full = gemm(a, b)
+  for m in (1, 7, 100, 257):
+    start = int(rng.integers(0, 2048 - m + 1))
+    assert_bitwise_equal(gemm(a[start:start + m], b), full[start:start + m],
+                         f"M={m} at row {start}")
+
+
+def test_torch_launches_the_same_kernel_with_jax_bits(rng):
+  torch = pytest.importorskip("torch")
+  import rlk_torch_bridge as rtb
+  a, b = _operands(rng, (300, 1000, 776, False, False), jnp.bfloat16)
+  ta = torch.from_dlpack(a).clone().requires_grad_(True)
+  tb = torch.from_dlpack(b).clone().requires_grad_(True)
+  out = rtb.det_gemm(ta, tb, implementation="triton")
+  want = rlk_jax.det_gemm(a, b, implementation="triton")
+  assert_bitwise_equal(out.detach().view(torch.int16).cpu().numpy(),
+                       np.asarray(want).view(np.int16))
+  g = torch.randn_like(out)
+  out.backward(g)
+  _, vjp = jax.vjp(lambda a, b: rlk_jax.det_gemm(a, b, implementation="triton"),
+                   a, b)
+  da, db = vjp(jnp.asarray(g.cpu().float().numpy()).astype(jnp.bfloat16))
+  for name, got, exp in (("da", ta.grad, da), ("db", tb.grad, db)):
+    assert_bitwise_equal(got.view(torch.int16).cpu().numpy(),
+                         np.asarray(exp).view(np.int16), name)
+  # Captured in a CUDA graph, replayed on new inputs: eager's bits.
+  x, w = ta.detach().clone(), tb.detach().clone()
+  rtb.det_gemm(x, w, implementation="triton")  # compile outside the capture
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    captured = rtb.det_gemm(x, w, implementation="triton")
+  x.copy_(torch.randn_like(x))
+  graph.replay()
+  torch.cuda.synchronize()
+  assert torch.equal(captured.view(torch.int16),
+                     rtb.det_gemm(x, w, implementation="triton")
+                     .view(torch.int16))

@@ -1,0 +1,141 @@
+"""Deterministic, batch-invariant tiled matmul as a ``@triton.jit`` kernel.
+
+The same arithmetic as ``pallas_kernels.det_matmul`` (whose docstring gives
+the invariance argument): one program per ``[BLOCK_M, BLOCK_N]`` output
+tile walks all of K in ``BLOCK_K`` steps, in order, into one f32
+accumulator (``tl.dot(a, b, acc)``: the MMA accumulates in place); edges
+load as zeros. Operands are read through strides, so the backward's
+transposed products read the forward operands in place.
+
+Two launchers share the kernel: ``matmul`` (JAX arrays, through
+``jax_triton.triton_call``) and ``matmul_torch`` (torch tensors, Triton's
+own launcher on torch's current stream; with ``TRITON_INTERPRET=1`` it
+runs on CPU tensors in Triton's interpreter, which is how the CPU tests
+check the arithmetic).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+  import triton
+  import triton.language as tl
+  IMPORT_ERROR = None
+except ImportError as e:  # noqa: F841 - reported by unavailable_reason
+  triton = tl = None
+  IMPORT_ERROR = f"triton is not installed ({e})"
+
+__all__ = ["matmul", "matmul_torch", "unavailable_reason", "strides"]
+
+
+def unavailable_reason(platform: str) -> str | None:
+  """Why the JAX route cannot launch on `platform` (None: it can)."""
+  if IMPORT_ERROR:
+    return IMPORT_ERROR
+  if platform != "gpu":
+    return ("jax-triton launches on CUDA GPUs only (the CPU tests run the "
+            "kernel in Triton's interpreter from torch)")
+  try:
+    import jax_triton  # noqa: F401
+  except Exception as e:  # noqa: BLE001 - any import failure is the reason
+    return f"jax-triton is not importable ({type(e).__name__}: {e})"
+  return None
+
+
+def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
+  """Element strides of row-major operands: A ``[M, K]`` (``[K, M]`` if
+  transposed), B ``[K, N]`` (``[N, K]``), C ``[M, N]``, as (am, ak, bk, bn,
+  cm, cn)."""
+  am, ak = (1, m) if transpose_a else (k, 1)
+  bk, bn = (1, k) if transpose_b else (n, 1)
+  return am, ak, bk, bn, n, 1
+
+
+if triton is not None:
+
+  @triton.jit
+  def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                         stride_am, stride_ak, stride_bk, stride_bn,
+                         stride_cm, stride_cn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         INTERPRETED_BF16: tl.constexpr = False):
+    # Grouped tile order: only L2 reuse depends on it, never a bit.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = pid % per_group
+    tile_m = first_m + in_group % rows_in_group
+    tile_n = in_group // rows_in_group
+    # 64-bit offsets: a vocabulary-wide operand passes 2**31 elements.
+    rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    row_in = rm[:, None] < M
+    col_in = rn[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+      kk = k0 + rk
+      a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                  mask=row_in & (kk[None, :] < K), other=0.0)
+      b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                  mask=(kk[:, None] < K) & col_in, other=0.0)
+      if INTERPRETED_BF16:
+        # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
+        # integers; bf16 -> f32 is exact, so f32 operands give the products.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+      # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
+      acc = tl.dot(a, b, acc, input_precision="ieee")
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c,
+             mask=row_in & col_in)
+
+
+def _grid(m, n, config):
+  return (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+
+
+def _meta(config):
+  return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+              BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+
+def _dims(a_shape, b_shape, transpose_a, transpose_b):
+  m, k = a_shape[::-1] if transpose_a else a_shape
+  n = b_shape[0] if transpose_b else b_shape[1]
+  return m, n, k
+
+
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config):
+  """``op(a) @ op(b)`` for 2-D JAX arrays through jax-triton. `config`: an
+  object with block_m/block_n/block_k/group_m/num_warps/num_stages (the
+  Pallas kernel's MatmulConfig); m, n, k > 0."""
+  import jax
+  import jax_triton
+  m, n, k = _dims(a.shape, b.shape, transpose_a, transpose_b)
+  return jax_triton.triton_call(
+      a, b, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
+      kernel=_det_matmul_kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=_grid(m, n, config), num_warps=config.num_warps,
+      num_stages=config.num_stages, name="rlk_det_matmul_triton",
+      **_meta(config))
+
+
+def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config):
+  """Writes ``op(a) @ op(b)`` into `out` (torch tensors; a and b contiguous
+  in their stored layout, out ``[M, N]`` contiguous). m, n, k > 0."""
+  import torch
+  m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
+  interpreted_bf16 = (os.environ.get("TRITON_INTERPRET") == "1"
+                      and a.dtype == torch.bfloat16)
+  _det_matmul_kernel[_grid(m, n, config)](
+      a, b, out, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      INTERPRETED_BF16=interpreted_bf16, **_meta(config))
+  return out
