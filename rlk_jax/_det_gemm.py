@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import det_matmul
+from triton_kernels import backend as triton_backend
 from triton_kernels import det_matmul as triton_det_matmul
 from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
 
@@ -98,7 +99,7 @@ TABLE = _dispatch.register_reference_and_pallas(
         "(Hopper; bf16 operands, K and N multiples of 8)",
         operand_check=cuda_ffi.operand_reason)],
     gpu_last=[_dispatch.Implementation(
-        "triton", _triton_matmul, triton_det_matmul.unavailable_reason,
+        "triton", _triton_matmul, triton_backend.unavailable_reason,
         "the same tiled K-ordered kernel as a @triton.jit function, launched "
         "through jax-triton (and natively from torch); CUDA GPUs")],
 )

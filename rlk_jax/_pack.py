@@ -28,6 +28,8 @@ import numpy as np
 
 import cuda_ffi
 from pallas_kernels import row_gather
+from triton_kernels import backend as triton_backend
+from triton_kernels import row_gather as triton_row_gather
 from rlk_jax import _dispatch, _validate, reference
 
 
@@ -249,6 +251,18 @@ def _raise_if_dropped(capacity, num_dropped, total):
 # The row gather and its implementations
 
 
+def _triton_gather_rows(src, idx, fill):
+  n_out, = idx.shape
+  n_src, width = src.shape
+  if n_out == 0 or width == 0 or n_src == 0:
+    # No launch for an empty grid (idx is all -1 when n_src == 0).
+    return jnp.full((n_out, width), fill, src.dtype)
+  # The Pallas kernel's block shapes: the same bytes per program.
+  config = row_gather.default_config(n_out, width,
+                                     jnp.dtype(src.dtype).itemsize)
+  return triton_row_gather.gather_rows(src, idx, fill, config=config)
+
+
 TABLE = _dispatch.register_reference_and_pallas(
     "pack",
     reference=reference.gather_rows,
@@ -262,6 +276,10 @@ TABLE = _dispatch.register_reference_and_pallas(
         "to 65536 positions in one kernel (rows and metadata), else the "
         "metadata kernels and the row gather; the torch bridge launches the "
         "same kernels without a JAX call")],
+    gpu_last=[_dispatch.Implementation(
+        "triton", _triton_gather_rows, triton_backend.unavailable_reason,
+        "the row gather as a @triton.jit kernel through jax-triton (CUDA "
+        "GPUs); metadata by XLA ops")],
 )
 
 

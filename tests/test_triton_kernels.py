@@ -1,4 +1,4 @@
-"""triton_kernels.det_matmul's arithmetic on CPU, in Triton's interpreter
+"""triton_kernels' det_matmul and row_gather on CPU, in Triton's interpreter
 (conftest sets TRITON_INTERPRET=1 without a GPU), launched the way the torch
 bridge launches it: accuracy against float64 in every operand layout,
 ragged and power-of-two sizes, row invariance and K zero-padding bitwise.
@@ -16,7 +16,8 @@ from conftest import ON_GPU
 
 triton = pytest.importorskip("triton", reason="Triton wheels: Linux x86_64")
 torch = pytest.importorskip("torch")
-from triton_kernels import det_matmul  # noqa: E402
+from pallas_kernels.row_gather import default_config  # noqa: E402
+from triton_kernels import det_matmul, row_gather  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -98,3 +99,19 @@ def test_the_jax_route_says_why_it_is_unavailable_here():
   with pytest.raises(RuntimeError, match="'triton' is not available"):
     rlk_jax.det_gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
                      implementation="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32,
+                                   torch.bool, torch.float64, torch.int8])
+@pytest.mark.parametrize("n_src,n_out,width", [(50, 70, 37), (300, 129, 256)])
+def test_row_gather_moves_bits_and_fills(dtype, n_src, n_out, width, rng):
+  src = torch.from_numpy(rng.standard_normal((n_src, width)) * 100).to(dtype)
+  idx = torch.from_numpy(rng.integers(-1, n_src, n_out).astype(np.int32))
+  fill = 0 if dtype in (torch.bool, torch.int8, torch.int32) else -2.5
+  out = torch.empty((n_out, width), dtype=dtype)
+  row_gather.gather_rows_torch(
+      src, idx, fill, out,
+      config=default_config(n_out, width, src.element_size()))
+  want = torch.where((idx >= 0)[:, None], src[idx.clamp(min=0).long()],
+                     torch.full((), fill, dtype=dtype))
+  assert torch.equal(out, want)

@@ -116,3 +116,30 @@ def test_torch_launches_the_same_kernel_with_jax_bits(rng):
   assert torch.equal(captured.view(torch.int16),
                      rtb.det_gemm(x, w, implementation="triton")
                      .view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.bool_])
+def test_pack_and_unpack_with_the_triton_gather_move_the_same_bits(dtype,
+                                                                    rng):
+  x = random_array(rng, (8, 300, 136), jnp.float32)
+  x = (x > 0) if dtype == jnp.bool_ else (x * 100).astype(dtype)
+  mask = jnp.asarray(rng.random((8, 300)) < 0.4)
+  want, want_info = jax.jit(functools.partial(
+      rlk_jax.pack, capacity=1024, implementation="xla"))(x, mask)
+  got, info = jax.jit(functools.partial(
+      rlk_jax.pack, capacity=1024, implementation="triton"))(x, mask)
+  assert_bitwise_equal(got, want, "packed rows")
+  back = jax.jit(functools.partial(rlk_jax.unpack, implementation="triton"))(
+      got, info)
+  assert_bitwise_equal(back, jax.jit(functools.partial(
+      rlk_jax.unpack, implementation="xla"))(want, want_info), "unpacked")
+
+
+def test_pack_gradient_through_the_triton_gather(rng):
+  x = random_array(rng, (4, 200, 64), jnp.float32)
+  mask = jnp.asarray(rng.random((4, 200)) < 0.5)
+  w = random_array(rng, (1024, 64), jnp.float32)
+  grads = [jax.jit(jax.grad(lambda x, impl=impl: (rlk_jax.pack(
+      x, mask, capacity=1024, implementation=impl)[0] * w).sum()))(x)
+           for impl in ("xla", "triton")]
+  assert_bitwise_equal(grads[1], grads[0])

@@ -18,29 +18,9 @@ from __future__ import annotations
 
 import os
 
-try:
-  import triton
-  import triton.language as tl
-  IMPORT_ERROR = None
-except ImportError as e:  # noqa: F841 - reported by unavailable_reason
-  triton = tl = None
-  IMPORT_ERROR = f"triton is not installed ({e})"
+from triton_kernels.backend import triton, tl
 
-__all__ = ["matmul", "matmul_torch", "unavailable_reason", "strides"]
-
-
-def unavailable_reason(platform: str) -> str | None:
-  """Why the JAX route cannot launch on `platform` (None: it can)."""
-  if IMPORT_ERROR:
-    return IMPORT_ERROR
-  if platform != "gpu":
-    return ("jax-triton launches on CUDA GPUs only (the CPU tests run the "
-            "kernel in Triton's interpreter from torch)")
-  try:
-    import jax_triton  # noqa: F401
-  except Exception as e:  # noqa: BLE001 - any import failure is the reason
-    return f"jax-triton is not importable ({type(e).__name__}: {e})"
-  return None
+__all__ = ["matmul", "matmul_torch", "strides"]
 
 
 def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
