@@ -38,10 +38,12 @@ def impl(request):
 
 def pack_implementations() -> tuple:
   """pack's implementations that run here: on an SM90 GPU with the library
-  also its CUDA kernels (the torch bridge's direct route)."""
+  also its CUDA kernels (the torch bridge's direct route), on a GPU with
+  jax-triton the Triton row gather."""
   import rlk_jax
   available = rlk_jax.implementations("pack")
-  return IMPLEMENTATIONS + (("cuda_ffi",) if available["cuda_ffi"] is None else ())
+  return IMPLEMENTATIONS + tuple(name for name in ("cuda_ffi", "triton")
+                                 if available[name] is None)
 
 
 @pytest.fixture
