@@ -78,6 +78,15 @@ def assert_bitwise_equal(actual, expected, msg=""):
   assert not diff.any(), f"{msg} {int(diff.sum())} of {diff.size} elements differ"
 
 
+def assert_row_windows_match(gemm, a, b, full, ms, rng, msg=""):
+  """For each m in `ms`, a random window of m rows of `a` through `gemm`
+  alone gives those rows of `full` (= gemm(a, b)) bit for bit."""
+  for m in ms:
+    start = int(rng.integers(0, a.shape[0] - m + 1))
+    assert_bitwise_equal(gemm(a[start:start + m], b), full[start:start + m],
+                         f"{msg} M={m} at row {start}")
+
+
 def random_array(rng, shape, dtype):
   """Random values in `dtype`, never all zeros; ints span a wide range."""
   dtype = jnp.dtype(dtype)
