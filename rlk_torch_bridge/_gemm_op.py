@@ -118,7 +118,8 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
     return lambda a, b: shaped(product(flat(a), b))
   if impl == "triton" and a.is_cuda:
     # The kernel JAX launches through jax-triton, launched by Triton itself
-    # on torch's current stream: the same compiled kernel, no DLPack.
+    # on torch's current stream: one kernel source and specialization, no
+    # DLPack.
     config = _gemm_tuning.choose_pallas_config(
         m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
         dtype=jax_dtype(a.dtype))
