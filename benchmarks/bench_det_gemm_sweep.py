@@ -156,10 +156,14 @@ def _rlk_torch(torch, ta, tb):
   return lambda x, y: op(x, y, ta, tb, torch.bfloat16, "cuda_ffi")
 
 
-def _sets(bytes_per_set: int) -> int:
-  # Distinct operand sets per timed call, so repeats do not re-read a warm
-  # L2 (50 MB on the H100): enough sets to pass 128 MB, at most 8.
-  return max(1, min(8, -(-(128 << 20) // max(bytes_per_set, 1))))
+def timing_plan(x_shape, y_shape, flops: int) -> tuple[int, int]:
+  """(operand sets, calls per sample) for one product: distinct sets so
+  repeats do not re-read a warm L2 (50 MB on the H100: enough sets to pass
+  128 MB, at most 8), and about 2 ms of work per sample at cuBLAS's pace
+  (700 TFLOP/s on the H100), never fewer than one call."""
+  bytes_per_set = 2 * (math.prod(x_shape) + math.prod(y_shape))
+  n_sets = max(1, min(8, -(-(128 << 20) // max(bytes_per_set, 1))))
+  return n_sets, max(1, round(2e-3 * 700e12 / (flops * n_sets)))
 
 
 def run(smoke: bool) -> list[Row]:
@@ -220,7 +224,9 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   ta, tb, x_shape, y_shape, (pm, pn, pk) = layout_product(layout, m, k, n)
   case = f"{family} {proj} M={m} K={k} N={n} {layout}"
   flops = 2 * m * n * k
-  n_sets = 1 if smoke else _sets(2 * (math.prod(x_shape) + math.prod(y_shape)))
+  n_sets, iters = timing_plan(x_shape, y_shape, flops)
+  if smoke:
+    n_sets = iters = 1
   keys = jax.random.split(jax.random.key(zlib.crc32(case.encode())),
                           2 * n_sets)
   x_sets = [jax.random.normal(kk, x_shape, jnp.float32).astype(jnp.bfloat16)
@@ -247,11 +253,8 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   if "rlk_pallas" in impls and rlk_ready.get("pallas") and m in pallas_ms:
     competitors["rlk_pallas"] = lambda: harness.jax_batch(
         _rlk_jax("pallas", ta, tb), pairs)
-  # About 2 ms of work per sample at cuBLAS's pace (700 TFLOP/s on the
-  # H100), never fewer than one call.
-  iters = max(1, round(2e-3 * 700e12 / (flops * n_sets)))
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
-                                  iters=1 if smoke else iters,
+                                  iters=iters,
                                   repeats=3 if smoke else 5, warmup=1)
   if (PALLAS_CONFIGS.value and on_gpu and rlk_ready.get("pallas")
       and m in pallas_ms):

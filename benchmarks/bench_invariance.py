@@ -108,8 +108,8 @@ def run(smoke: bool) -> list[Row]:
             note=f"rows_differ={differ} of {m}")))
   if torch_here and (harness.on_gpu() or smoke):
     rows += _sweep_rows(smoke)
-  if torch_here and harness.on_gpu():
-    rows += _k_alignment_rows()
+    if harness.on_gpu():
+      rows += _k_alignment_rows()
   return rows
 
 
@@ -184,13 +184,12 @@ def summarize(rows: list[Row]) -> str:
   """The K=/N= table as before, then the sweep's shapes in one table per
   implementation: products with any differing row, rows differing, and
   (for the torch settings) products whose bits equal rlk's."""
-  classic = [r for r in rows if r.case.startswith(("K=", "K alignment"))
-             or r.case == "all"]
-  lines = [harness.format_table(classic)]
+  in_table = lambda r: r.case.startswith(("K=", "K alignment")) or (
+      r.case == "all")
+  lines = [harness.format_table([r for r in rows if in_table(r)])]
   per_impl: dict[str, dict] = {}
   for r in rows:
-    if (r.case.startswith(("K=", "K alignment")) or r.case == "all"
-        or not r.note):
+    if in_table(r) or not r.note:
       continue
     s = per_impl.setdefault(r.implementation, dict(
         products=set(), varying=set(), rows=0, checked=0, same=0, compared=0,

@@ -82,6 +82,12 @@ def _operands(torch, label: str, shapes, device, seed: int = 0):
           for s in shapes]
 
 
+def _rows_apart(x, y) -> int:
+  """Rows of two same-shape 2-D bf16 tensors whose bits differ anywhere."""
+  import torch
+  return int((x.view(torch.int16) != y.view(torch.int16)).any(1).sum())
+
+
 def _rlk_impl(torch) -> str:
   return "cuda_ffi" if torch.cuda.is_available() else "xla"
 
@@ -102,18 +108,16 @@ def _rows_differ(torch, job) -> dict:
     if job["rlk"]:
       gemms["rlk"] = lambda x, y=y: rlk_op(x, y, False, tb, torch.bfloat16,
                                            impl)
-    bits, result = {}, {}
+    fulls, result = {}, {}
     for name, gemm in gemms.items():
-      full = gemm(x).view(torch.int16)
-      bits[name] = full
-      result[name] = {m: int((gemm(x[:m]).view(torch.int16) != full[:m])
-                             .any(1).sum()) for m in job["ms"]}
-    if "rlk" in bits:
+      full = fulls[name] = gemm(x)
+      result[name] = {m: _rows_apart(gemm(x[:m]), full[:m])
+                      for m in job["ms"]}
+    if "rlk" in fulls:
       result["rlk_impl"] = impl
-      result["torch_vs_rlk"] = int((bits["torch"] != bits["rlk"])
-                                   .any(1).sum())
+      result["torch_vs_rlk"] = _rows_apart(fulls["torch"], fulls["rlk"])
     out[label] = result
-    del x, y, bits
+    del x, y, fulls
   return out
 
 
@@ -143,7 +147,7 @@ def _k_alignment(torch, job) -> dict:
     label = f"M={m} K={k} N={n}"
     x, y = _operands(torch, label, ((m, k), (k, n)), "cuda",
                      job.get("seed", 0))
-    ref = torch.matmul(x, y).view(torch.int16)
+    ref = torch.matmul(x, y)
 
     def padded(front: int, back: int, impl: str):
       xp = torch.nn.functional.pad(x, (front, back))
@@ -160,7 +164,7 @@ def _k_alignment(torch, job) -> dict:
     result = {}
     for name, way in ways.items():
       try:
-        result[name] = int((way().view(torch.int16) != ref).any(1).sum())
+        result[name] = _rows_apart(way(), ref)
       except Exception as e:  # noqa: BLE001 - the probe records it
         result[name] = f"{type(e).__name__}: {str(e)[:80]}"
     result["torch kernels"] = _kernel_names(torch, lambda: torch.matmul(x, y))
@@ -176,11 +180,10 @@ def _time(torch, job) -> list[dict]:
   rows = []
   for case, m, k, n, layout in job["products"]:
     ta, tb, x_shape, y_shape, _ = sweep.layout_product(layout, m, k, n)
-    n_sets = sweep._sets(2 * (x_shape[0] * x_shape[1] + y_shape[0] * y_shape[1]))
+    flops = 2 * m * n * k
+    n_sets, iters = sweep.timing_plan(x_shape, y_shape, flops)
     pairs = [_operands(torch, f"{case} {i}", (x_shape, y_shape), "cuda")
              for i in range(n_sets)]
-    flops = 2 * m * n * k
-    iters = max(1, round(2e-3 * 700e12 / (flops * n_sets)))
     product = sweep._torch_product(torch, ta, tb)
     timed = harness.interleaved_rows(sweep.BENCH, case, {
         name: lambda: harness.torch_batch(product, pairs, graph=True),

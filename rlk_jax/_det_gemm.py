@@ -36,27 +36,27 @@ from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
+def _tiles(a, b, transpose_a, transpose_b):
+  """(m, n, k) and the tile config of the K-ordered tiled kernels (Pallas
+  and Triton share the vocabulary and the measured table)."""
+  m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                             a.dtype, a.dtype)[:3]
+  return (m, n, k), _gemm_tuning.choose_pallas_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype)
+
+
 def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
-  config = None  # interpreted: det_matmul's default tiles
-  if not interpret:
-    m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
-                               a.dtype, out_dtype)[:3]
-    config = _gemm_tuning.choose_pallas_config(
-        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-        dtype=a.dtype)
+  # Interpreted: det_matmul's default tiles.
+  config = None if interpret else _tiles(a, b, transpose_a, transpose_b)[1]
   return det_matmul.matmul(a, b, transpose_a=transpose_a,
                            transpose_b=transpose_b, out_dtype=out_dtype,
                            interpret=interpret, config=config)
 
 
 def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
-  # The Pallas kernel's tile vocabulary and choice: the same arithmetic.
-  m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
-                             a.dtype, out_dtype)[:3]
+  (m, n, k), config = _tiles(a, b, transpose_a, transpose_b)
   if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
     return jnp.zeros((m, n), out_dtype)
-  config = _gemm_tuning.choose_pallas_config(
-      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype)
   return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
                                   transpose_b=transpose_b,
                                   out_dtype=out_dtype, config=config)
