@@ -93,9 +93,15 @@ def test_gradients_against_float64(impl, rng):
 def test_check_grads(impl, rng):
   from jax.test_util import check_grads
   hidden, weight, targets = problem(rng, 8, jnp.float32, h=16)
+  # f32 central differences: at the default eps (1e-4) log-probs near -60
+  # carry ~0.04 of rounding error, which failed on some seeds (658227452,
+  # say; the analytic gradients matched float64 to 2e-6 there). Log-probs
+  # near -log V and eps=1e-2 keep rounding and truncation error below 1e-3.
+  hidden = hidden * 0.25
   f = lambda h, w: rlk_jax.linear_logp(h, w, targets, chunk_size=256,
                                        implementation=impl)
-  check_grads(f, (hidden, weight), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+  check_grads(f, (hidden, weight), order=1, modes=("rev",), atol=2e-2,
+              rtol=2e-2, eps=1e-2)
 
 
 def test_backward_is_deterministic_and_row_invariant(impl, rng):
