@@ -115,3 +115,22 @@ def test_row_gather_moves_bits_and_fills(dtype, n_src, n_out, width, rng):
   want = torch.where((idx >= 0)[:, None], src[idx.clamp(min=0).long()],
                      torch.full((), fill, dtype=dtype))
   assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("before", [None, "/tmp/rlk-triton-cache"])
+def test_importing_jax_triton_leaves_tritons_cache_setting(before, tmp_path,
+                                                           monkeypatch):
+  # jax-triton 0.3.1 sets TRITON_CACHE_DIR="" when imported, which breaks
+  # every later Triton launch from torch in the process: a module that does
+  # the same stands in for it (jax-triton runs on GPUs only).
+  from triton_kernels import backend
+  (tmp_path / "jax_triton.py").write_text(
+      "import os\nos.environ['TRITON_CACHE_DIR'] = ''\nMARK = 1\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(__import__("sys").modules, "jax_triton", raising=False)
+  if before is None:
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+  else:
+    monkeypatch.setenv("TRITON_CACHE_DIR", before)
+  assert backend.jax_triton().MARK == 1
+  assert os.environ.get("TRITON_CACHE_DIR") == before

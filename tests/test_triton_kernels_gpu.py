@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import rlk_jax
+from rlk_jax import _det_gemm as det_gemm_module
 from conftest import (ON_GPU, assert_bitwise_equal, assert_row_windows_match,
                       random_array)
 from pallas_kernels import det_matmul as pallas_det_matmul
@@ -36,8 +37,7 @@ def _operands(rng, case, dtype):
 
 
 def _det_gemm(impl, ta, tb, out_dtype):
-  from rlk_jax import _det_gemm
-  return jax.jit(functools.partial(_det_gemm._matmul, impl, ta, tb,
+  return jax.jit(functools.partial(det_gemm_module._matmul, impl, ta, tb,
                                    jnp.dtype(out_dtype)))
 
 
@@ -49,10 +49,9 @@ def test_triton_equals_pallas_and_cuda_ffi_bits(case, out_dtype, rng):
   got = _det_gemm("triton", ta, tb, out_dtype)(a, b)
   assert_bitwise_equal(got, _det_gemm("pallas", ta, tb, out_dtype)(a, b),
                        "triton vs pallas")
-  from rlk_jax import _det_gemm
-  sm90 = _det_gemm.TABLE.implementations["cuda_ffi"]
+  sm90 = det_gemm_module.TABLE.implementations["cuda_ffi"]
   if (rlk_jax.implementations("det_gemm")["cuda_ffi"] is None
-      and sm90.operand_reason(_det_gemm.product_operands(
+      and sm90.operand_reason(det_gemm_module.product_operands(
           a.shape, b.shape, ta, tb, a.dtype, jnp.dtype(out_dtype))) is None):
     assert_bitwise_equal(got, _det_gemm("cuda_ffi", ta, tb, out_dtype)(a, b),
                          "triton vs cuda_ffi")

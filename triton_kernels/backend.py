@@ -11,7 +11,25 @@ except ImportError as e:  # noqa: F841 - reported by unavailable_reason
   triton = tl = None
   IMPORT_ERROR = f"triton is not installed ({e})"
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason"]
+import os
+
+__all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason", "jax_triton"]
+
+
+def jax_triton():
+  """The jax_triton module, imported without its side effect on the rest of
+  the process: jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` on import (it
+  compiles through its own path, which never reads Triton's file cache), and
+  with that empty value every later Triton launch from torch fails with
+  "Could not create or locate cache dir". The previous value comes back."""
+  before = os.environ.get("TRITON_CACHE_DIR")
+  import jax_triton as module
+  if before is None:
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+      del os.environ["TRITON_CACHE_DIR"]
+  else:
+    os.environ["TRITON_CACHE_DIR"] = before
+  return module
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -22,7 +40,7 @@ def unavailable_reason(platform: str) -> str | None:
     return ("jax-triton launches on CUDA GPUs only (the CPU tests run the "
             "kernels in Triton's interpreter from torch)")
   try:
-    import jax_triton  # noqa: F401
+    jax_triton()
   except Exception as e:  # noqa: BLE001 - any import failure is the reason
     return f"jax-triton is not importable ({type(e).__name__}: {e})"
   return None

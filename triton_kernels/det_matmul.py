@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from triton_kernels.backend import triton, tl
+from triton_kernels.backend import jax_triton, triton, tl
 
 __all__ = ["matmul", "matmul_torch", "strides"]
 
@@ -35,9 +35,11 @@ def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
 if triton is not None:
 
   @triton.jit
-  def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+  def _det_matmul_kernel(a_ptr, b_ptr, M, N, K,
                          stride_am, stride_ak, stride_bk, stride_bn,
                          stride_cm, stride_cn,
+                         # jax-triton passes output pointers after the inputs.
+                         c_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                          INTERPRETED_BF16: tl.constexpr = False):
@@ -96,9 +98,8 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config):
   object with block_m/block_n/block_k/group_m/num_warps/num_stages (the
   Pallas kernel's MatmulConfig); m, n, k > 0."""
   import jax
-  import jax_triton
   m, n, k = _dims(a.shape, b.shape, transpose_a, transpose_b)
-  return jax_triton.triton_call(
+  return jax_triton().triton_call(
       a, b, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
       kernel=_det_matmul_kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -115,7 +116,7 @@ def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config):
   interpreted_bf16 = (os.environ.get("TRITON_INTERPRET") == "1"
                       and a.dtype == torch.bfloat16)
   _det_matmul_kernel[_grid(m, n, config)](
-      a, b, out, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
+      a, b, m, n, k, *strides(m, n, k, transpose_a, transpose_b), out,
       num_warps=config.num_warps, num_stages=config.num_stages,
       INTERPRETED_BF16=interpreted_bf16, **_meta(config))
   return out

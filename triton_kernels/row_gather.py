@@ -12,7 +12,7 @@ interpreter with ``TRITON_INTERPRET=1``, which the CPU tests use).
 
 from __future__ import annotations
 
-from triton_kernels.backend import triton, tl
+from triton_kernels.backend import jax_triton, triton, tl
 
 __all__ = ["gather_rows", "gather_rows_torch"]
 
@@ -20,7 +20,8 @@ __all__ = ["gather_rows", "gather_rows_torch"]
 if triton is not None:
 
   @triton.jit
-  def _gather_rows_kernel(idx_ptr, src_ptr, out_ptr, n_out, width,
+  def _gather_rows_kernel(idx_ptr, src_ptr, n_out, width,
+                          out_ptr,  # jax-triton: outputs after the inputs
                           FILL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                           BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -51,10 +52,9 @@ def gather_rows(src, idx, fill, *, config):
   [n_out, width], JAX arrays through jax-triton; all sizes > 0. `config`:
   block_rows/block_cols/num_warps (the Pallas kernel's GatherConfig)."""
   import jax
-  import jax_triton
   n_out, = idx.shape
   width = src.shape[1]
-  return jax_triton.triton_call(
+  return jax_triton().triton_call(
       idx, src, n_out, width, kernel=_gather_rows_kernel,
       out_shape=jax.ShapeDtypeStruct((n_out, width), src.dtype),
       grid=_grid(n_out, width, config), num_warps=config.num_warps,
@@ -66,6 +66,6 @@ def gather_rows_torch(src, idx, fill, out, *, config):
   """The same into `out` ([n_out, width], contiguous) for torch tensors."""
   n_out, width = out.shape
   _gather_rows_kernel[_grid(n_out, width, config)](
-      idx, src, out, n_out, width, FILL=fill, BLOCK_ROWS=config.block_rows,
+      idx, src, n_out, width, out, FILL=fill, BLOCK_ROWS=config.block_rows,
       BLOCK_COLS=config.block_cols, num_warps=config.num_warps, num_stages=1)
   return out
