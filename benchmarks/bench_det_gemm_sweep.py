@@ -16,8 +16,9 @@ Competitors, timed in interleaved rounds per product: ``cublas``
 (torch.matmul on the same layouts, CUDA-graph replay), ``xla_dot`` (jitted
 ``lax.dot_general``), ``rlk_cuda_ffi_kernel`` (the SM90 kernel on the config
 rlk chooses, launched through the torch operator, CUDA-graph replay: kernel
-against kernel), ``rlk_cuda_ffi`` and ``rlk_pallas`` (rlk's det_gemm
-primitive in a jitted JAX program: the route a JAX user calls) and
+against kernel), ``rlk_cuda_ffi``, ``rlk_pallas`` and ``rlk_triton``
+(rlk's det_gemm primitive in a jitted JAX program: the route a JAX user
+calls; ``rlk_triton`` is the @triton.jit kernel through jax-triton) and
 ``cublaslt_vllm_recipe`` (torch.matmul under vLLM's batch-invariant
 settings for Hopper, in a child process per family because cuBLAS reads
 them once, interleaved there with rlk's kernel; its ratio is to the
@@ -76,7 +77,7 @@ SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
 SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LAYOUTS = ("fwd", "dA", "dB")
 IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
-         "rlk_pallas", "cublaslt_vllm_recipe")
+         "rlk_pallas", "rlk_triton", "cublaslt_vllm_recipe")
 
 FAMILIES_FLAG = flags.DEFINE_list("sweep_families", None,
                                   f"Families to run (default all: "
@@ -86,8 +87,9 @@ MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
 IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
                                f"all: {', '.join(IMPLS)}).")
 PALLAS_MS = flags.DEFINE_list(
-    "sweep_pallas_ms", ["1024", "4096"], "The M values rlk_pallas runs at: "
-    "each Pallas-Triton product compiles its own kernel (seconds each).")
+    "sweep_pallas_ms", ["1024", "4096"], "The M values rlk_pallas and "
+    "rlk_triton run at: each product compiles its own Triton kernel "
+    "(seconds each).")
 MAX_GIB = flags.DEFINE_float(
     "sweep_max_gib", 4.0, "Products with an operand or result larger than "
     "this are left out (lm_head at M >= 8192: rlk's linear_logp runs it in "
@@ -250,9 +252,10 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   if "rlk_cuda_ffi" in impls and rlk_ready.get("cuda_ffi") and m in jax_ms:
     competitors["rlk_cuda_ffi"] = lambda: harness.jax_batch(
         _rlk_jax("cuda_ffi", ta, tb), pairs)
-  if "rlk_pallas" in impls and rlk_ready.get("pallas") and m in pallas_ms:
-    competitors["rlk_pallas"] = lambda: harness.jax_batch(
-        _rlk_jax("pallas", ta, tb), pairs)
+  for impl in ("pallas", "triton"):  # one kernel compile per product each
+    if f"rlk_{impl}" in impls and rlk_ready.get(impl) and m in pallas_ms:
+      competitors[f"rlk_{impl}"] = functools.partial(
+          harness.jax_batch, _rlk_jax(impl, ta, tb), pairs)
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
                                   iters=iters,
                                   repeats=3 if smoke else 5, warmup=1)
