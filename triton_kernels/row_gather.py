@@ -20,8 +20,7 @@ __all__ = ["gather_rows", "gather_rows_torch"]
 if triton is not None:
 
   @triton.jit
-  def _gather_rows_kernel(idx_ptr, src_ptr, n_out, width,
-                          out_ptr,  # jax-triton: outputs after the inputs
+  def _gather_rows_kernel(idx_ptr, src_ptr, out_ptr, n_out, width,
                           FILL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                           BLOCK_COLS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -54,8 +53,10 @@ def gather_rows(src, idx, fill, *, config):
   import jax
   n_out, = idx.shape
   width = src.shape[1]
+  # The output pointer comes after the positional inputs (out_ptr, third);
+  # the sizes go as compile-time constants (det_matmul.matmul says why).
   return jax_triton().triton_call(
-      idx, src, n_out, width, kernel=_gather_rows_kernel,
+      idx, src, kernel=_gather_rows_kernel, n_out=n_out, width=width,
       out_shape=jax.ShapeDtypeStruct((n_out, width), src.dtype),
       grid=_grid(n_out, width, config), num_warps=config.num_warps,
       num_stages=1, name="rlk_gather_rows_triton", FILL=fill,
@@ -66,6 +67,6 @@ def gather_rows_torch(src, idx, fill, out, *, config):
   """The same into `out` ([n_out, width], contiguous) for torch tensors."""
   n_out, width = out.shape
   _gather_rows_kernel[_grid(n_out, width, config)](
-      idx, src, n_out, width, out, FILL=fill, BLOCK_ROWS=config.block_rows,
+      idx, src, out, n_out, width, FILL=fill, BLOCK_ROWS=config.block_rows,
       BLOCK_COLS=config.block_cols, num_warps=config.num_warps, num_stages=1)
   return out
