@@ -102,6 +102,10 @@ PALLAS_CONFIGS = flags.DEFINE_bool(
     "the products rlk_pallas runs (checking their bits agree), into "
     "det_gemm_pallas_configs.csv and a table in the shipped format "
     "(det_gemm_pallas-<device>.json).")
+TRITON_CONFIGS = flags.DEFINE_bool(
+    "sweep_triton_configs", False, "The same for the @triton.jit kernel "
+    "through jax-triton on the same tiles (det_gemm_triton_configs.csv, "
+    "det_gemm_triton-<device>.json).")
 BUDGET_S = flags.DEFINE_float(
     "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
     "no limit); the rows and tables so far are still written, so a device "
@@ -214,8 +218,8 @@ def run(smoke: bool) -> list[Row]:
                          "-"))
   if on_gpu and rlk_ready.get("cuda_ffi"):
     _write_tuning(harness.output_dir())
-  if _PALLAS_TIMES:
-    _write_pallas_tuning(harness.output_dir())
+  for backend, times in _TILE_TIMES.items():
+    _write_tile_tuning(harness.output_dir(), backend, times)
   if torch is not None and on_gpu:
     torch.cuda.empty_cache()
   return rows
@@ -259,9 +263,9 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
                                   iters=iters,
                                   repeats=3 if smoke else 5, warmup=1)
-  if (PALLAS_CONFIGS.value and on_gpu and rlk_ready.get("pallas")
-      and m in pallas_ms):
-    _time_pallas_configs(case, pm, pn, pk, ta, tb, pairs, iters)
+  for backend, wanted in (("pallas", PALLAS_CONFIGS), ("triton", TRITON_CONFIGS)):
+    if wanted.value and on_gpu and rlk_ready.get(backend) and m in pallas_ms:
+      _time_tile_configs(backend, case, pm, pn, pk, ta, tb, pairs, iters)
   del pairs, x_sets, y_sets, competitors
   if torch_gpu:
     del torch_pairs
@@ -305,52 +309,64 @@ def _recipe_rows(recipe_products, rows) -> list[Row]:
   return out
 
 
-# key -> {config: ms} of every product whose Pallas configs were timed.
-_PALLAS_TIMES: dict[str, dict] = {}
+# backend ("pallas", "triton") -> key -> {config: ms} of every product whose
+# tile configs were timed.
+_TILE_TIMES: dict[str, dict[str, dict]] = {}
 
 
-def _time_pallas_configs(case, m, n, k, ta, tb, pairs, iters):
+def _tile_kernel(backend):
+  if backend == "pallas":
+    from pallas_kernels import det_matmul
+    return det_matmul.matmul
+  from triton_kernels import det_matmul
+  return functools.partial(det_matmul.matmul, out_dtype=jnp.bfloat16)
+
+
+def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
+  """Every Pallas tile config (the Triton kernel takes the same vocabulary)
+  on one product, interleaved, with a check that their bits agree."""
   from pallas_kernels import det_matmul
   from rlk_jax import _gemm_tuning
-  fns = {name: functools.partial(det_matmul.matmul, transpose_a=ta,
+  fns = {name: functools.partial(_tile_kernel(backend), transpose_a=ta,
                                  transpose_b=tb, config=cfg)
          for name, cfg in det_matmul.NAMED_CONFIGS.items()}
   outs = [jax.lax.bitcast_convert_type(f(*pairs[0]), jnp.uint16)
           for f in fns.values()]
   same = all(bool(jnp.array_equal(outs[0], o)) for o in outs[1:])
   rows = harness.interleaved_rows(
-      BENCH, case, {f"pallas {name}": (lambda f=f: harness.jax_batch(f, pairs))
+      BENCH, case, {f"{backend} {name}": (lambda f=f: harness.jax_batch(f, pairs))
                     for name, f in fns.items()},
       iters=iters, repeats=5, warmup=1)
-  _PALLAS_TIMES[_gemm_tuning.pallas_key(m, n, k, ta, tb)] = {
-      "m": m, "bits_equal": same,
-      "ms": {r.implementation.split()[1]: r.median_ms for r in rows}}
+  _TILE_TIMES.setdefault(backend, {})[
+      _gemm_tuning.pallas_key(m, n, k, ta, tb)] = {
+          "m": m, "bits_equal": same,
+          "ms": {r.implementation.split()[1]: r.median_ms for r in rows}}
 
 
-def _write_pallas_tuning(out_dir: str) -> None:
+def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
   from pallas_kernels import det_matmul
   from rlk_jax import _gemm_tuning
   device = harness.device_name()
   order = tuple(det_matmul.NAMED_CONFIGS)
-  with open(os.path.join(out_dir, "det_gemm_pallas_configs.csv"), "w",
+  with open(os.path.join(out_dir, f"det_gemm_{backend}_configs.csv"), "w",
             newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["device", "commit", "key", "m", "config", "median_ms",
                      "chosen", "bits_equal_across_configs"])
     table = {}
-    for key, entry in sorted(_PALLAS_TIMES.items()):
+    for key, entry in sorted(times.items()):
       chosen = _gemm_tuning.pick(entry["ms"], candidates=order)
       table[key] = chosen
       for config, ms in entry["ms"].items():
         writer.writerow([device, harness.commit(), key, entry["m"], config,
                          "" if ms is None else f"{ms:.6g}",
                          int(config == chosen), int(entry["bits_equal"])])
-  name = f"det_gemm_pallas-{_gemm_tuning.device_slug(device)}.json"
+  name = f"det_gemm_{backend}-{_gemm_tuning.device_slug(device)}.json"
   with open(os.path.join(out_dir, name), "w") as f:
     json.dump({"device": device, "commit": harness.commit(),
                "date": datetime.date.today().isoformat(),
                "source": "benchmarks/bench_det_gemm_sweep.py "
-                         "--sweep_pallas_configs", "entries": table},
+                         f"--sweep_{backend}_configs", "entries": table},
               f, indent=0, sort_keys=True)
 
 

@@ -38,7 +38,8 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "pingpong_128x128": 8, "cooperative_128x128": 9,
            "cooperative_256x128": 10, "cooperative_128x192": 11,
            "pingpong_64x256": 12, "cooperative_128x256_cluster_1x2": 13,
-           "pingpong_64x128_cluster_2x1": 14, "pingpong_64x64_cluster_2x1": 15}
+           "pingpong_64x128_cluster_2x1": 14, "pingpong_64x64_cluster_2x1": 15,
+           "pingpong_64x128_cluster_4x2": 16, "pingpong_64x64_cluster_1x2": 17}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N

@@ -123,6 +123,14 @@ struct Cooperative128x256Cluster1x2 : Tiles<128, 256, 1, 2, Cooperative> {
 // bits at up to 1.5x rlk's speed (H100, det_gemm_sweep_recipe-d9c2514).
 using Pingpong64x128Cluster2x1 = Tiles<64, 128, 2, 1, Pingpong>;
 using Pingpong64x64Cluster2x1 = Tiles<64, 64, 2, 1, Pingpong>;
+// The shapes cuBLASLt's non-split kernels took where the 2x1 pairs did not
+// close the gap (H100, det_gemm_sweep 0cba778, kernel names in its rows):
+// M=256 with a long K and N ~ 4k (gemma2/llama down and o: nvjet 64x128
+// tiles in 4x2 clusters, our M x N, so the weight tile is read once for all
+// four row tiles of M=256), and the MoE expert's short K=768 (64x64 tiles
+// in 1x2 clusters).
+using Pingpong64x128Cluster4x2 = Tiles<64, 128, 4, 2, Pingpong>;
+using Pingpong64x64Cluster1x2 = Tiles<64, 64, 1, 2, Pingpong>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -296,6 +304,8 @@ RLK_CONFIG_OF(Pingpong64x256)
 RLK_CONFIG_OF(Cooperative128x256Cluster1x2)
 RLK_CONFIG_OF(Pingpong64x128Cluster2x1)
 RLK_CONFIG_OF(Pingpong64x64Cluster2x1)
+RLK_CONFIG_OF(Pingpong64x128Cluster4x2)
+RLK_CONFIG_OF(Pingpong64x64Cluster1x2)
 #undef RLK_CONFIG_OF
 
 }  // namespace

@@ -68,7 +68,9 @@ enum class GemmConfig : int {
   kCooperative128x256Cluster1x2 = 13,  // A shared along N: short, wide
   kPingpong64x128Cluster2x1 = 14,  // B shared by two row tiles: a few
   kPingpong64x64Cluster2x1 = 15,   // hundred rows, a long K
-  kLastConfig = kPingpong64x64Cluster2x1,
+  kPingpong64x128Cluster4x2 = 16,  // B shared by four row tiles, A by two
+  kPingpong64x64Cluster1x2 = 17,   // A shared along N: short K, few rows
+  kLastConfig = kPingpong64x64Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -79,7 +81,8 @@ enum class GemmConfig : int {
   X(kPingpong64x64) X(kSwapPingpong64x32) X(kCooperative256x192)         \
   X(kPingpong128x128) X(kCooperative128x128) X(kCooperative256x128)      \
   X(kCooperative128x192) X(kPingpong64x256) X(kCooperative128x256Cluster1x2) \
-  X(kPingpong64x128Cluster2x1) X(kPingpong64x64Cluster2x1)
+  X(kPingpong64x128Cluster2x1) X(kPingpong64x64Cluster2x1)              \
+  X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
