@@ -53,7 +53,7 @@ class MatmulConfig:
 # BK is shared by every config: it fixes the K order, hence the bits.
 DEFAULT_CONFIG = MatmulConfig()
 # What choose_config may pick for 2-byte operands on a GPU, from the H100
-# sweep (benchmarks/results/h100-2026-11-22-experiments/): 128x256 tiles
+# sweep (benchmarks/results/experiments/h100-2026-11-22/): 128x256 tiles
 # run the M=4096 projections at 0.83-0.90x cuBLAS (128x128: 0.67-0.78x);
 # decode rows want many narrow tiles to spread the weight's bytes over
 # the SMs (M=16, N=4096: 17 us with 64x32 against 38 us with 128x128).

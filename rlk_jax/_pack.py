@@ -86,7 +86,7 @@ def pack_info(mask, *, capacity: int | None = None,
   Plain XLA ops, fused by XLA into a few small kernels: one prefix sum (CUB on
   GPUs) and one elementwise pass over the packed rows. (A single-program
   Pallas kernel writing every field was measured slower on the H100: see
-  benchmarks/results/h100-2026-11-21-experiments.)
+  benchmarks/results/experiments/h100-2026-11-21/.)
 
   Called eagerly with a concrete mask and ``capacity < mask.size``, it raises
   ``ValueError`` when the active rows do not fit. Under ``jit`` the overflow

@@ -12,7 +12,7 @@
 #
 # The GPU image has jax, torch, triton and nvcc but no package registry:
 # pytest, hypothesis, absl-py and nvidia-cutlass travel as wheels in .whl/
-# (see README); RLK_CUDA_FFI_LIB may name a library built by an earlier call.
+# (see docs/benchmarks.md); RLK_CUDA_FFI_LIB may name a library built by an earlier call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/rlk-out}"

@@ -83,7 +83,7 @@ Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
   // Decode rows stream the weight; a tile taller than them only pads MMA
   // rows for the same weight bytes. Measured on the H100 in CUDA-graph
   // replays of 16 calls with their own weights, K=4096, as cuBLAS's speed
-  // (benchmarks/results/h100-2026-11-22-experiments/det_gemm_swap_pdl*,
+  // (benchmarks/results/experiments/h100-2026-11-22/det_gemm_swap_pdl*,
   // two machines).
   //
   // Up to 32 rows: the swapped 64x32 tile (C^T = B^T A^T), whatever N.

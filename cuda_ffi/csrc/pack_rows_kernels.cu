@@ -197,7 +197,7 @@ __global__ void FinishFields(int64_t n_seq, int64_t capacity, PackInfoOut out) {
 // flight to run at copy bandwidth whatever the row width; the loads and
 // stores are marked streaming (each byte is touched once). On the H100
 // this structure copied the benchmark's rows at memcpy speed
-// (benchmarks/results/h100-2026-11-22-experiments/gather_variants.txt).
+// (benchmarks/results/experiments/h100-2026-11-22/gather_variants.txt).
 constexpr int kUnroll = 8;
 
 template <typename Unit, typename Source>
@@ -529,7 +529,7 @@ cudaError_t PackRows(cudaStream_t stream, const void* src,
   // of the mask once, while its SM copies nothing. On the H100 benchmark
   // shape: 65.3 us, against 67.8 us with 16 rows a block (4.7 waves, a scan
   // per 16 rows), 60.8 us for the same copy without the scan and 57.8 us for
-  // GatherRows (benchmarks/results/h100-2026-11-22-experiments/
+  // GatherRows (benchmarks/results/experiments/h100-2026-11-22/
   // pack_fused_variants.txt).
   const FusedGeometry geo = ChooseFusedGeometry(
       size, capacity,
