@@ -1,7 +1,8 @@
 """linear_logp: per-token log-probs of targets from hidden states and the LM
 head, in f32, without holding the [N, V] logits, batch-invariant bitwise.
 
-The forward is one fused pass (``pallas``), chunks of f32 logits from the
+The forward is one fused pass (``pallas``, or ``triton``: the same kernel
+as a @triton.jit function through jax-triton), chunks of f32 logits from the
 SM90 det_gemm folded into the same online logsumexp by a small Pallas kernel
 (``cuda_ffi``: one ``[N, chunk_size]`` block at a time), or the
 column-by-column reference (``xla``). The backward recomputes the logits a vocabulary chunk at a time
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 import cuda_ffi
 from pallas_kernels import linear_logp as logp_kernel
 from rlk_jax import _det_gemm, _dispatch, _sharding, reference
+from triton_kernels import backend as triton_backend
+from triton_kernels import linear_logp as triton_logp
 
 IGNORE_INDEX = -100
 
@@ -34,6 +37,16 @@ def _pallas(hidden, weight, targets, temperature, chunk_size, *, interpret):
   del chunk_size  # fused: no logits block at all
   return logp_kernel.linear_logp(hidden, weight, targets,
                                  temperature=temperature, interpret=interpret)
+
+
+def _triton(hidden, weight, targets, temperature, chunk_size):
+  del chunk_size  # fused, like "pallas"
+  n = hidden.shape[0]
+  if not n:  # no launch for an empty grid
+    return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
+  return triton_logp.linear_logp(hidden, weight, targets,
+                                 temperature=temperature,
+                                 config=logp_kernel.DEFAULT_CONFIG)
 
 
 def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
@@ -77,6 +90,10 @@ TABLE = _dispatch.register_reference_and_pallas(
         "SM90 det_gemm logits per vocabulary chunk + a Pallas online "
         "logsumexp kernel (Hopper; bf16, H and V multiples of 8)",
         operand_check=_sm90_operands)],
+    gpu_last=[_dispatch.Implementation(
+        "triton", _triton, triton_backend.unavailable_reason,
+        "the fused row-block kernel as a @triton.jit function through "
+        "jax-triton (CUDA GPUs); its backward runs det_gemm's \"triton\"")],
 )
 
 

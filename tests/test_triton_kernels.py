@@ -17,7 +17,7 @@ from conftest import ON_GPU
 triton = pytest.importorskip("triton", reason="Triton wheels: Linux x86_64")
 torch = pytest.importorskip("torch")
 from pallas_kernels.row_gather import default_config  # noqa: E402
-from triton_kernels import det_matmul, row_gather  # noqa: E402
+from triton_kernels import det_matmul, linear_logp, row_gather  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -134,3 +134,80 @@ def test_importing_jax_triton_leaves_tritons_cache_setting(before, tmp_path,
     monkeypatch.setenv("TRITON_CACHE_DIR", before)
   assert backend.jax_triton().MARK == 1
   assert os.environ.get("TRITON_CACHE_DIR") == before
+
+
+def _logp_operands(rng, n, h, v, dtype=torch.bfloat16):
+  hidden = torch.from_numpy(rng.standard_normal((n, h), np.float32)).to(dtype)
+  weight = torch.from_numpy(
+      rng.standard_normal((h, v), np.float32) / np.sqrt(h)).to(dtype)
+  targets = torch.from_numpy(rng.integers(0, v, n).astype(np.int32))
+  return hidden, weight, targets
+
+
+def _fused_logp(hidden, weight, targets, config, temperature=1.0):
+  n = hidden.shape[0]
+  outs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+  return linear_logp.linear_logp_torch(hidden, weight, targets, *outs,
+                                       temperature=temperature, config=config)
+
+
+LOGP = Config(16, 32, 32, 1, 4, 2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("n,h,v", [(37, 64, 200), (16, 96, 64)])
+def test_fused_logp_accurate(n, h, v, temperature, rng):
+  hidden, weight, targets = _logp_operands(rng, n, h, v)
+  targets[3] = -100  # ignored: log-prob 0, lse and entropy still computed
+  logp, lse, ent = _fused_logp(hidden, weight, targets, LOGP, temperature)
+  logits = (hidden.double() @ weight.double()) / temperature
+  want_lse = torch.logsumexp(logits, dim=1)
+  p = torch.softmax(logits, dim=1)
+  want_ent = want_lse - (p * logits).sum(dim=1)
+  valid = targets >= 0
+  want = torch.where(valid, logits.gather(1, targets.clamp(min=0).long()[:, None])[:, 0]
+                     - want_lse, torch.zeros((), dtype=torch.float64))
+  for got, ref in ((logp, want), (lse, want_lse), (ent, want_ent)):
+    assert torch.isfinite(got).all()
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
+  assert logp[3].item() == 0.0
+
+
+def test_fused_logp_rows_do_not_depend_on_the_batch(rng):
+  hidden, weight, targets = _logp_operands(rng, 50, 64, 150)
+  full = _fused_logp(hidden, weight, targets, LOGP)
+  for start, rows in ((0, 1), (5, 7), (13, 33)):
+    part = _fused_logp(hidden[start:start + rows].contiguous(), weight,
+                       targets[start:start + rows].contiguous(), LOGP)
+    for got, want in zip(part, full):
+      assert torch.equal(got.view(torch.int32),
+                         want[start:start + rows].view(torch.int32))
+
+
+def test_stats_over_chunks_equal_the_fused_kernel_bitwise(rng):
+  # The SM90 route's split: logits a chunk at a time (det_matmul), folded by
+  # the stats kernel, chunks a multiple of BLOCK_N: the same tiles, in the
+  # same order, as the fused kernel's vocabulary walk.
+  n, h, v, chunk = 40, 64, 160, 64
+  hidden, weight, targets = _logp_operands(rng, n, h, v)
+  stats = [torch.full((n,), -float("inf")), torch.zeros(n), torch.zeros(n),
+           torch.zeros(n)]
+  for c0 in range(0, v, chunk):
+    w_c = weight[:, c0:c0 + chunk].contiguous()
+    logits = torch.empty((n, w_c.shape[1]), dtype=torch.float32)
+    det_matmul.matmul_torch(hidden, w_c, logits, transpose_a=False,
+                            transpose_b=False, config=Config(
+                                LOGP.block_m, LOGP.block_n, LOGP.block_k, 1,
+                                4, 2))
+    linear_logp.update_stats_torch(logits, targets - c0, stats,
+                                   temperature=0.9, config=LOGP)
+  m, s, picked, weighted = stats
+  # The interpreter's tl.log is numpy's: the same function here.
+  lse = m + torch.from_numpy(np.log(s.numpy()))
+  logp = picked - lse
+  fused_logp, fused_lse, fused_ent = _fused_logp(hidden, weight, targets,
+                                                 LOGP, 0.9)
+  assert torch.equal(lse.view(torch.int32), fused_lse.view(torch.int32))
+  assert torch.equal(logp.view(torch.int32), fused_logp.view(torch.int32))
+  assert torch.equal((lse - weighted / s).view(torch.int32),
+                     fused_ent.view(torch.int32))

@@ -140,3 +140,43 @@ def test_pack_gradient_through_the_triton_gather(rng):
       x, mask, capacity=1024, implementation=impl)[0] * w).sum()))(x)
            for impl in ("xla", "triton")]
   assert_bitwise_equal(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("n,h,v", [(1000, 4096, 32000), (37, 1024, 1000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logp_equals_the_pallas_kernel_bits(n, h, v, temperature, rng):
+  # Ragged N and V; libdevice exp/log as the Pallas lowering emits them.
+  from pallas_kernels import linear_logp as pallas_logp
+  from triton_kernels import linear_logp as triton_logp
+  hidden = random_array(rng, (n, h), jnp.bfloat16) / 3
+  weight = (random_array(rng, (h, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+  cfg = pallas_logp.DEFAULT_CONFIG
+  want = jax.jit(functools.partial(pallas_logp.linear_logp,
+                                   temperature=temperature, config=cfg))(
+      hidden, weight, targets)
+  got = jax.jit(functools.partial(triton_logp.linear_logp,
+                                  temperature=temperature, config=cfg))(
+      hidden, weight, targets)
+  for name, g, w in zip(("logp", "lse", "entropy"), got, want):
+    assert_bitwise_equal(g, w, name)
+
+
+def test_stats_kernel_equals_the_pallas_kernel_bits(rng):
+  from pallas_kernels import linear_logp as pallas_logp
+  from triton_kernels import linear_logp as triton_logp
+  n, c = 1000, 8192 + 136
+  cfg = pallas_logp.DEFAULT_CONFIG
+  stats = pallas_logp.initial_stats(n)
+  targets = jnp.asarray(rng.integers(-5, c + 5, n), jnp.int32)
+  for step in range(2):  # a second chunk folds into non-initial stats
+    logits = random_array(rng, (n, c), jnp.float32) * 4
+    want = jax.jit(functools.partial(pallas_logp.update_stats,
+                                     temperature=0.8, config=cfg))(
+        logits, targets, stats)
+    got = jax.jit(functools.partial(triton_logp.update_stats,
+                                    temperature=0.8, config=cfg))(
+        logits, targets, stats)
+    for name, g, w in zip(("max", "sum", "picked", "weighted"), got, want):
+      assert_bitwise_equal(g, w, f"chunk {step} {name}")
+    stats = want

@@ -20,7 +20,7 @@ import os
 
 from triton_kernels.backend import jax_triton, triton, tl
 
-__all__ = ["matmul", "matmul_torch", "strides"]
+__all__ = ["matmul", "matmul_torch", "strides", "tile_product"]
 
 
 def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
@@ -33,6 +33,32 @@ def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
 
 
 if triton is not None:
+
+  @triton.jit
+  def tile_product(a_ptr, b_ptr, rm, rn, row_in, col_in, K, stride_am,
+                   stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INTERPRETED_BF16: tl.constexpr):
+    """The f32 ``[BLOCK_M, BLOCK_N]`` product of rows `rm` and columns `rn`
+    (64-bit offsets; `row_in` ``[BLOCK_M, 1]``, `col_in` ``[1, BLOCK_N]``):
+    all of K in ``BLOCK_K`` steps, in order, into one accumulator; edges
+    load as zeros. det_matmul and linear_logp share it."""
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+      kk = k0 + rk
+      a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                  mask=row_in & (kk[None, :] < K), other=0.0)
+      b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                  mask=(kk[:, None] < K) & col_in, other=0.0)
+      if INTERPRETED_BF16:
+        # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
+        # integers; bf16 -> f32 is exact, so f32 operands give the products.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+      # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
+      acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
 
   @triton.jit
   def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
@@ -54,23 +80,11 @@ if triton is not None:
     # 64-bit offsets: a vocabulary-wide operand passes 2**31 elements.
     rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     row_in = rm[:, None] < M
     col_in = rn[None, :] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-      kk = k0 + rk
-      a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                  mask=row_in & (kk[None, :] < K), other=0.0)
-      b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                  mask=(kk[:, None] < K) & col_in, other=0.0)
-      if INTERPRETED_BF16:
-        # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
-        # integers; bf16 -> f32 is exact, so f32 operands give the products.
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-      # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
-      acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = tile_product(a_ptr, b_ptr, rm, rn, row_in, col_in, K, stride_am,
+                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                       BLOCK_K, INTERPRETED_BF16)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c,
              mask=row_in & col_in)
