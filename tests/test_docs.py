@@ -31,12 +31,6 @@ README_MAX_LINES = 250
 _FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
 
 
-def fenced_blocks(path: pathlib.Path):
-  """(line of the opening fence, its info string, the block's source) of
-  every fenced code block in `path`, 1-based lines."""
-  return [(start, info, source) for start, _, info, source in _fences(path)]
-
-
 def _fences(path: pathlib.Path):
   """(opening fence's line, closing fence's line, info string, source) of
   every fenced code block, 1-based lines."""
@@ -136,7 +130,7 @@ def broken(path: pathlib.Path, target: str):
 # ---------------------------------------------------------------- README code
 
 def _readme_python_blocks():
-  return [(start, info, source) for start, info, source in fenced_blocks(README)
+  return [(start, info, source) for start, _, info, source in _fences(README)
           if info.split()[:1] == ["python"]]
 
 

@@ -3,6 +3,8 @@ jax-triton for JAX's."""
 
 from __future__ import annotations
 
+import os
+
 try:
   import triton
   import triton.language as tl
@@ -10,8 +12,6 @@ try:
 except ImportError as e:  # noqa: F841 - reported by unavailable_reason
   triton = tl = None
   IMPORT_ERROR = f"triton is not installed ({e})"
-
-import os
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason", "jax_triton"]
 
