@@ -97,8 +97,8 @@ TABLE = _dispatch.register_reference_and_pallas(
         "cuda_ffi", _cuda_ffi_matmul, cuda_ffi.unavailable_reason,
         "CUTLASS SM90 TMA warp-specialized kernels behind an XLA FFI call "
         "(Hopper; bf16 operands, K and N multiples of 8)",
-        operand_check=cuda_ffi.operand_reason)],
-    gpu_last=[_dispatch.Implementation(
+        operand_check=cuda_ffi.operand_reason),
+        _dispatch.Implementation(
         "triton", _triton_matmul, triton_backend.unavailable_reason,
         "the same tiled K-ordered kernel as a @triton.jit function, launched "
         "through jax-triton (and natively from torch); CUDA GPUs")],

@@ -104,15 +104,15 @@ def current_platform() -> str:
 def register_reference_and_pallas(op: str, *, reference: Callable,
                                   reference_doc: str, pallas: Callable,
                                   pallas_doc: str,
-                                  gpu_first: Sequence[Implementation] = (),
-                                  gpu_last: Sequence[Implementation] = ()
+                                  gpu_first: Sequence[Implementation] = ()
                                   ) -> OpTable:
   """The table every rlk op has: ``"xla"``, the plain-jnp reference (runs
-  anywhere; the CPU default), and ``"pallas"``, a Triton-lowered kernel (the
-  GPU default) that runs through the Pallas interpreter on CPUs; plus
-  `gpu_first`, preferred over both on GPUs where available (e.g. det_gemm's
-  SM90 CUTLASS kernels), and `gpu_last`, after them (named, or where
-  nothing before them takes the call).
+  anywhere; the CPU default), and ``"pallas"``, a kernel through Pallas's
+  Triton lowering that runs through the Pallas interpreter on CPUs; plus
+  `gpu_first`, preferred over both on GPUs where available, in order (the
+  SM90 kernels, then the @triton.jit kernels through jax-triton). JAX 0.11
+  deprecated Pallas's Triton lowering, so on a GPU ``"pallas"`` runs only
+  where nothing before it can: named, or without jax-triton.
 
   `pallas` takes the op's arguments plus ``interpret=``, decided here at
   trace time from the platform.
@@ -132,11 +132,11 @@ def register_reference_and_pallas(op: str, *, reference: Callable,
           "pallas": Implementation("pallas", run_pallas,
                                    triton_backend.unavailable_reason,
                                    pallas_doc),
-          **{impl.name: impl for impl in (*gpu_first, *gpu_last)},
+          **{impl.name: impl for impl in gpu_first},
       },
       preference={"cpu": ("xla",),
                   "gpu": (*(impl.name for impl in gpu_first), "pallas",
-                          *(impl.name for impl in gpu_last), "xla")},
+                          "xla")},
   ))
 
 

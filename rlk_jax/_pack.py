@@ -275,8 +275,8 @@ TABLE = _dispatch.register_reference_and_pallas(
         "CUDA kernels through XLA FFI (SM90 library): pack from a mask of up "
         "to 65536 positions in one kernel (rows and metadata), else the "
         "metadata kernels and the row gather; the torch bridge launches the "
-        "same kernels without a JAX call")],
-    gpu_last=[_dispatch.Implementation(
+        "same kernels without a JAX call"),
+        _dispatch.Implementation(
         "triton", _triton_gather_rows, triton_backend.unavailable_reason,
         "the row gather as a @triton.jit kernel through jax-triton (CUDA "
         "GPUs); metadata by XLA ops")],

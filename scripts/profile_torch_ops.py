@@ -32,6 +32,31 @@ g = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
 stream = torch.cuda.current_stream().cuda_stream
 lib = cuda_ffi.library()
 product = _sm90.product_launcher(16, 256, 256, False, True, torch.bfloat16)
+
+
+class _PyLinear(torch.autograd.Function):
+  """torch's own products behind a Python autograd.Function: what the
+  Python backward route itself costs, without rlk."""
+
+  @staticmethod
+  def forward(ctx, a, b):
+    ctx.save_for_backward(a, b)
+    return torch.nn.functional.linear(a, b)
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    a, b = ctx.saved_tensors
+    return g @ b, g.t() @ a
+
+
+def _main_thread_backward():
+  # rlk's forward and its two backward launches, no autograd engine.
+  rtb.det_gemm(x, w, transpose_b=True)
+  _gemm_op._kernel(g, w, False, False, torch.bfloat16, "cuda_ffi")
+  _gemm_op._kernel(g, x, True, False, torch.bfloat16, "cuda_ffi")
+
+
 pieces = {
     "torch F.linear": lambda: torch.nn.functional.linear(x, w),
     "torch.empty": lambda: torch.empty(16, 256, device="cuda", dtype=torch.bfloat16),
@@ -46,7 +71,16 @@ pieces = {
     "rtb.det_gemm": lambda: rtb.det_gemm(x, w, transpose_b=True),
     "torch fwd+bwd": lambda: torch.nn.functional.linear(xg, wg).backward(g),
     "rtb fwd+bwd": lambda: rtb.det_gemm(xg, wg, transpose_b=True).backward(g),
+    # The backward's two products, called below autograd on the main thread.
+    "py Function fwd+bwd": lambda: _PyLinear.apply(xg, wg).backward(g),
+    "rlk 3 launches, no engine": _main_thread_backward,
+    "dA product (g @ w)": lambda: _gemm_op._kernel(
+        g, w, False, False, torch.bfloat16, "cuda_ffi"),
+    "dB product (g^T @ x)": lambda: _gemm_op._kernel(
+        g, x, True, False, torch.bfloat16, "cuda_ffi"),
 }
+import threading
+print("python threads:", [t.name for t in threading.enumerate()])
 for name, fn in pieces.items():
   print(f"{name:24s} {per_call_us(fn):8.1f} us")
 
@@ -57,3 +91,13 @@ for name in ("rtb.det_gemm", "rtb fwd+bwd"):
   profile.disable()
   print(f"--- {name}")
   pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+# The GPU's side: each kernel's device time in forward + backward steps.
+for name in ("torch fwd+bwd", "rtb fwd+bwd"):
+  with torch.profiler.profile(activities=[
+      torch.profiler.ProfilerActivity.CPU,
+      torch.profiler.ProfilerActivity.CUDA]) as prof:
+    per_call_us(pieces[name], n=200)
+  print(f"--- {name}: kernels")
+  print(prof.key_averages().table(sort_by="self_device_time_total",
+                                   row_limit=12))

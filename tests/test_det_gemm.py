@@ -204,10 +204,10 @@ def test_bad_inputs():
 def test_dispatch():
   assert rlk_jax.selected_implementation("det_gemm", platform="cpu") == "xla"
   # On GPUs the SM90 kernels come first where they run (Hopper with the
-  # library), the Pallas kernel otherwise.
-  sm90 = rlk_jax.implementations("det_gemm", platform="gpu")["cuda_ffi"] is None
-  assert rlk_jax.selected_implementation("det_gemm", platform="gpu") == (
-      "cuda_ffi" if sm90 else "pallas")
+  # library), then the jax-triton kernel, then Pallas's deprecated lowering.
+  on_gpu = rlk_jax.implementations("det_gemm", platform="gpu")
+  assert rlk_jax.selected_implementation("det_gemm", platform="gpu") == next(
+      name for name in ("cuda_ffi", "triton", "pallas") if on_gpu[name] is None)
   assert rlk_jax.implementations("det_gemm", platform="tpu")["pallas"]
 
 

@@ -9,10 +9,11 @@ from rlk_jax._pack import TABLE
 
 def test_default_choice_is_queryable_and_deterministic():
   assert rlk_jax.selected_implementation("pack", platform="cpu") == "xla"
-  # On GPUs: the CUDA kernels where the SM90 library runs, else Pallas.
-  cuda_reason = rlk_jax.implementations("pack", platform="gpu")["cuda_ffi"]
-  assert rlk_jax.selected_implementation("pack", platform="gpu") == (
-      "pallas" if cuda_reason else "cuda_ffi")
+  # On GPUs: the CUDA kernels where the SM90 library runs, else the
+  # jax-triton kernel, else Pallas's (deprecated Triton lowering).
+  on_gpu = rlk_jax.implementations("pack", platform="gpu")
+  assert rlk_jax.selected_implementation("pack", platform="gpu") == next(
+      name for name in ("cuda_ffi", "triton", "pallas") if on_gpu[name] is None)
   assert rlk_jax.selected_implementation("pack", "pallas", platform="cpu") == "pallas"
   on_cpu = rlk_jax.implementations("pack", platform="cpu")
   assert on_cpu["xla"] is None and on_cpu["pallas"] is None

@@ -142,27 +142,50 @@ def test_pack_gradient_through_the_triton_gather(rng):
   assert_bitwise_equal(grads[1], grads[0])
 
 
+def _logp_bits(*arrays):
+  """int32 views of f32 arrays (JAX or torch), for bitwise comparison."""
+  return [np.asarray(a.cpu() if hasattr(a, "cpu") else a).view(np.int32)
+          for a in arrays]
+
+
+def _close(got, want, msg, tol=1e-6):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  err = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert err < tol, f"{msg}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("n,h,v", [(1000, 4096, 32000), (37, 1024, 1000)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_logp_equals_the_pallas_kernel_bits(n, h, v, temperature, rng):
-  # Ragged N and V; libdevice exp/log as the Pallas lowering emits them.
+def test_fused_logp_jax_and_torch_launches_share_bits(n, h, v, temperature,
+                                                       rng):
+  # Ragged N and V. The same @triton.jit kernel from jax-triton and from
+  # torch: equal bits. Against the Pallas kernel (the same arithmetic through
+  # XLA's own Triton, whose reduction layouts differ): ulps, so by norm.
+  torch = pytest.importorskip("torch")
   from pallas_kernels import linear_logp as pallas_logp
   from triton_kernels import linear_logp as triton_logp
   hidden = random_array(rng, (n, h), jnp.bfloat16) / 3
   weight = (random_array(rng, (h, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
   targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
   cfg = pallas_logp.DEFAULT_CONFIG
-  want = jax.jit(functools.partial(pallas_logp.linear_logp,
-                                   temperature=temperature, config=cfg))(
-      hidden, weight, targets)
   got = jax.jit(functools.partial(triton_logp.linear_logp,
                                   temperature=temperature, config=cfg))(
       hidden, weight, targets)
-  for name, g, w in zip(("logp", "lse", "entropy"), got, want):
-    assert_bitwise_equal(g, w, name)
+  outs = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
+  triton_logp.linear_logp_torch(
+      *(torch.from_dlpack(x).contiguous() for x in (hidden, weight, targets)),
+      *outs, temperature=temperature, config=cfg)
+  torch.cuda.synchronize()
+  want = jax.jit(functools.partial(pallas_logp.linear_logp,
+                                   temperature=temperature, config=cfg))(
+      hidden, weight, targets)
+  for name, g, t, w in zip(("logp", "lse", "entropy"), got, outs, want):
+    assert_bitwise_equal(*_logp_bits(t, g), f"{name}: torch vs jax-triton")
+    _close(g, w, f"{name} against the Pallas kernel")
 
 
-def test_stats_kernel_equals_the_pallas_kernel_bits(rng):
+def test_stats_kernel_jax_and_torch_launches_share_bits(rng):
+  torch = pytest.importorskip("torch")
   from pallas_kernels import linear_logp as pallas_logp
   from triton_kernels import linear_logp as triton_logp
   n, c = 1000, 8192 + 136
@@ -171,12 +194,46 @@ def test_stats_kernel_equals_the_pallas_kernel_bits(rng):
   targets = jnp.asarray(rng.integers(-5, c + 5, n), jnp.int32)
   for step in range(2):  # a second chunk folds into non-initial stats
     logits = random_array(rng, (n, c), jnp.float32) * 4
-    want = jax.jit(functools.partial(pallas_logp.update_stats,
-                                     temperature=0.8, config=cfg))(
-        logits, targets, stats)
     got = jax.jit(functools.partial(triton_logp.update_stats,
                                     temperature=0.8, config=cfg))(
         logits, targets, stats)
-    for name, g, w in zip(("max", "sum", "picked", "weighted"), got, want):
-      assert_bitwise_equal(g, w, f"chunk {step} {name}")
-    stats = want
+    in_place = [torch.from_dlpack(s).clone() for s in stats]
+    triton_logp.update_stats_torch(
+        torch.from_dlpack(logits).contiguous(),
+        torch.from_dlpack(targets).contiguous(), in_place, temperature=0.8,
+        config=cfg)
+    torch.cuda.synchronize()
+    want = jax.jit(functools.partial(pallas_logp.update_stats,
+                                     temperature=0.8, config=cfg))(
+        logits, targets, stats)
+    for name, g, t, w in zip(("max", "sum", "picked", "weighted"), got,
+                             in_place, want):
+      assert_bitwise_equal(*_logp_bits(t, g), f"chunk {step} {name}: torch")
+      _close(g, w, f"chunk {step} {name} against the Pallas kernel")
+    stats = got
+
+
+def test_default_routes_take_no_deprecated_pallas_lowering(rng):
+  # JAX 0.11 deprecated Pallas's Triton lowering (a DeprecationWarning at
+  # lowering time). With jax-triton present, no default route lowers through
+  # it: det_gemm where the SM90 kernel declines (K=1001) and its backward,
+  # pack and unpack, linear_logp and its gradient. Fresh shapes: compiled here.
+  import warnings
+  a = random_array(rng, (72, 1001), jnp.bfloat16)
+  b = random_array(rng, (1001, 136), jnp.bfloat16)
+  x = random_array(rng, (3, 40, 24), jnp.bfloat16)
+  mask = jnp.asarray(rng.random((3, 40)) < 0.6)
+  hidden = random_array(rng, (40, 256), jnp.bfloat16)
+  weight = random_array(rng, (256, 1000), jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, 1000, 40), jnp.int32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    jax.block_until_ready(jax.jit(jax.grad(
+        lambda a, b: rlk_jax.det_gemm(a, b).astype(jnp.float32).sum(),
+        argnums=(0, 1)))(a, b))
+    packed, info = jax.jit(functools.partial(rlk_jax.pack, capacity=96))(
+        x, mask)
+    jax.block_until_ready(jax.jit(rlk_jax.unpack)(packed, info))
+    jax.block_until_ready(jax.jit(jax.grad(
+        lambda h, w: rlk_jax.linear_logp(h, w, targets).sum(),
+        argnums=(0, 1)))(hidden, weight))
