@@ -1,6 +1,8 @@
 """rlk's torch operators against torch's own, through the routes a PyTorch
 user calls: eager (per-call cost at launch-bound sizes, and forward +
-backward time at training sizes), torch.compile, and CUDA-graph replay.
+backward time at training sizes), torch.compile, CUDA-graph replay, and an
+unmodified HF-style decoder's training tokens/s with the batch-invariant
+mode on against off.
 
     python -m benchmarks.bench_torch_ops [--smoke] [--csv out.csv]
 
@@ -32,6 +34,7 @@ def run(smoke: bool) -> list[Row]:
   rows = _eager_cost_rows(torch, device, dtype, smoke)
   rows += _training_rows(torch, device, dtype, smoke)
   rows += _compiled_rows(torch, device, dtype, smoke)
+  rows += _model_rows(torch, device, dtype, smoke)
   if device == "cuda":
     rows += _graph_rows(torch, dtype)
   return rows
@@ -139,6 +142,42 @@ def _compiled_rows(torch, device, dtype, smoke):
       iters=3 if smoke else 10)
   case = f"torch.compile MLP {h}->{f}->{h} M={m} fwd+bwd ({backend}, {device})"
   return _cost_rows(case, times, False)
+
+
+def _model_rows(torch, device, dtype, smoke):
+  """An unmodified HF-style decoder (``examples/grpo_step_torch.py``'s, SDPA
+  attention) training on 8 x 1024 tokens, eager: tokens/s of forward +
+  backward with the batch-invariant mode on against off."""
+  import rlk_torch_bridge as rtb
+  from examples.grpo_step_torch import TinyDecoder
+  b, s, vocab = (2, 16, 256) if smoke else (8, 1024, 32000)
+  sizes = (dict(hidden=64, n_heads=4, n_layers=2, ffn=128) if smoke else
+           dict(hidden=2048, n_heads=16, n_layers=4, ffn=5632))
+  torch.manual_seed(0)
+  model = TinyDecoder(vocab, **sizes).to(device=device, dtype=dtype)
+  ids = torch.randint(0, vocab, (b, s), device=device)
+  mask = torch.ones(b, s, dtype=torch.bool, device=device)
+
+  def step():
+    logits = model.lm_head(model(ids, mask))
+    logits.float().logsumexp(-1).mean().backward()
+
+  def mode_step():
+    with rtb.batch_invariant_mode():
+      step()
+
+  times = harness.time_interleaved(
+      {name: harness.torch_batch(fn, [()]) for name, fn in
+       ((PEER, step), ("rlk_batch_invariant_mode", mode_step))},
+      iters=2 if smoke else 5)
+  case = (f"HF-style decoder {sizes['n_layers']}x{sizes['hidden']} "
+          f"{b}x{s} tokens fwd+bwd (eager, {device})")
+  tokens = b * s
+  return [Row(BENCH, case, name, ms,
+              note=f"{tokens / ms * 1e3:.0f} tokens/s" + (
+                  "" if name == PEER else
+                  f", {times[PEER] / ms:.3f}x torch's tokens/s"))
+          for name, ms in times.items()]
 
 
 def _graph_rows(torch, dtype):

@@ -3,7 +3,8 @@ batch-invariant: inside :func:`batch_invariant_mode`, ``torch.matmul``,
 ``@``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``F.linear`` (so every
 ``nn.Linear``) on bfloat16, float16 or float32 tensors run on rlk's
 det_gemm (the ``rlk::det_mm`` operator), in eager mode and under
-torch.compile alike.
+torch.compile alike; so does ``mean`` over the last dimension (an RMSNorm's),
+as a product with a ones vector.
 
 Why a torch-function mode and not aten overrides (what Thinking Machines'
 ``batch_invariant_ops`` and vLLM register): Inductor lowers ``aten.mm`` to
@@ -20,12 +21,24 @@ rejects, fall through to torch unchanged. Batched products (``bmm``,
 batch element. With a bias (``addmm``, ``linear``), the product is kept in
 float32 and the bias added before the one rounding to the output dtype, as
 a GEMM epilogue does.
+
+Why ``mean`` and not ``softmax``: torch's CUDA reduction kernel picks how
+many threads share one output's sum from the number of outputs, so a row's
+mean can change with the batch; as ``x @ ones / K`` it is a det_gemm
+product, row-invariant on every backend. torch's softmax and log_softmax
+kernels size their blocks from the row length alone (batch-invariant
+already: a device test checks it), so they stay torch's.
+
+What the mode leaves to torch (other dtypes, devices or argument forms) it
+says once per function and reason, as a :class:`BatchInvariantFallthrough`
+warning; :func:`fallthroughs` lists them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +46,45 @@ from torch.overrides import TorchFunctionMode
 from rlk_torch_bridge.functions import det_gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class BatchInvariantFallthrough(UserWarning):
+  """A call the batch-invariant mode left to torch: its bits may depend on
+  the batch."""
+
+
+_reported: set = set()
+_reported_lock = threading.Lock()
+
+
+def fallthroughs() -> frozenset:
+  """(function, reason) of every call the mode has left to torch in this
+  process."""
+  with _reported_lock:
+    return frozenset(_reported)
+
+
+# A handler's answer for calls outside the mode's business (a mean over
+# other dimensions, say): torch runs them, and nothing is said.
+NOT_OURS = object()
+
+
+def _report(func, args) -> None:
+  tensors = [a for a in args if isinstance(a, torch.Tensor)]
+  # Integer products are exact, so batch-invariant as they are.
+  if (torch.compiler.is_compiling()  # said by the eager call, not traced
+      or not any(t.is_floating_point() for t in tensors)):
+    return
+  reason = (", ".join(sorted({f"{t.dtype} on {t.device.type}" for t in tensors}))
+            or "no tensor operands")
+  name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+  with _reported_lock:
+    if (name, reason) in _reported:
+      return
+    _reported.add((name, reason))
+  warnings.warn(f"rlk_torch_bridge.batch_invariant_mode left {name} "
+                f"({reason}) to torch: its rows may depend on the batch.",
+                BatchInvariantFallthrough, stacklevel=4)
 
 
 def _takes(*tensors) -> bool:
@@ -103,6 +155,21 @@ class _Products:
     product = self.batched(a, b).float()
     return self._plus(bias, product, beta, alpha, a.dtype)
 
+  def mean(self, x, dim=None, keepdim=False, *, dtype=None):
+    """``mean`` over the last dimension: ``x @ ones[K, 1] / K`` in float32
+    (one det_gemm product, so each row's bits are its own), rounded once
+    to x's dtype. Other reductions go to torch."""
+    if (not isinstance(x, torch.Tensor) or x.ndim == 0 or dtype is not None
+        or _last_dim(dim, x.ndim) is None or x.shape[-1] == 0):
+      return NOT_OURS
+    if not _takes(x):
+      return NotImplemented
+    k = x.shape[-1]
+    ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
+    total = self.gemm(x, ones, out_dtype=torch.float32)
+    out = (total / k).to(x.dtype)
+    return out if keepdim else out.squeeze(-1)
+
   def linear(self, x, weight, bias=None):
     if not _takes(x, weight) or weight.ndim != 2 or x.ndim == 0:
       return NotImplemented
@@ -114,9 +181,22 @@ class _Products:
     return self._plus(bias, product, 1, 1, x.dtype)
 
 
+def _last_dim(dim, ndim):
+  """`dim` if it names the last dimension alone (an int, or a one-element
+  list or tuple), else None."""
+  if isinstance(dim, (list, tuple)):
+    if len(dim) != 1:
+      return None
+    dim = dim[0]
+  if isinstance(dim, int) and dim in (-1, ndim - 1):
+    return dim
+  return None
+
+
 def _handlers(products: _Products) -> dict:
   matmul = products.matmul
   return {
+      torch.mean: products.mean, torch.Tensor.mean: products.mean,
       torch.matmul: matmul, torch.Tensor.matmul: matmul,
       torch.Tensor.__matmul__: matmul,
       torch.Tensor.__rmatmul__: lambda b, a: matmul(a, b),
@@ -142,8 +222,10 @@ class BatchInvariantMode(TorchFunctionMode):
     if handler is not None:
       out = kwargs.pop("out", None)
       result = handler(*args, **kwargs)
-      if result is not NotImplemented:
+      if result is not NotImplemented and result is not NOT_OURS:
         return result if out is None else out.copy_(result)
+      if result is NotImplemented:
+        _report(func, args)
       if out is not None:
         kwargs["out"] = out
     return func(*args, **kwargs)

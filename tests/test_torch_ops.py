@@ -235,6 +235,52 @@ def test_mode_covers_every_product_form(rng):
                 } & set(recorder.targets), name
 
 
+def test_mode_takes_mean_over_the_last_dim_and_says_what_it_leaves(rng):
+  x = randn(rng, (7, 5, 48), requires_grad=True)
+  recorder = Ops()
+  with rtb.batch_invariant_mode():
+    kept = x.mean(-1, keepdim=True)
+    mean = torch.mean(x, dim=[-1])
+    alone = torch.mean(x[2:3], 2)
+    over_batch = x.mean(0)  # not a row's reduction: torch's, nothing said
+    traced = torch.compile(lambda: x.mean(-1), fullgraph=True,
+                           backend=recorder)()
+  assert same_bits(kept.squeeze(-1), mean) and same_bits(alone, mean[2:3])
+  assert same_bits(traced, mean) and "rlk.det_mm.default" in recorder.targets
+  want = x.detach().double().mean(-1)
+  assert ((mean.detach().double() - want).norm() / want.norm()).item() < 1e-6
+  assert same_bits(over_batch, x.mean(0))
+  mean.sum().backward()
+  assert torch.equal(x.grad, torch.full_like(x, 1 / 48))
+  f64 = torch.from_numpy(rng.standard_normal((3, 4)))
+  with pytest.warns(rtb.BatchInvariantFallthrough,
+                    match=r"mean \(torch.float64 on cpu\) to torch"):
+    with rtb.batch_invariant_mode():
+      f64.mean(-1)
+  assert any(name.endswith("mean") and reason == "torch.float64 on cpu"
+             for name, reason in rtb.fallthroughs())
+
+
+def test_mode_makes_an_hf_style_decoder_batch_invariant(rng):
+  # RMSNorm (a mean over the last dim), rotary embedding, attention written
+  # out (q @ kᵀ, softmax, @ v) and a gated MLP: a sequence's logits alone
+  # and in batches of 2 to 64 are the same bits.
+  from hf_decoder import decoder, logits
+  model = decoder(96, int(rng.integers(2**31)), hidden=32, n_heads=2,
+                  n_layers=2, ffn=64)
+  ids = torch.from_numpy(rng.integers(0, 96, (64, 12)))
+  with torch.no_grad():
+    with rtb.batch_invariant_mode():
+      full = logits(model, ids)
+      for b in (2, 5, 17):
+        assert same_bits(logits(model, ids[:b]), full[:b]), f"batch {b}"
+      for i in (0, 31, 63):
+        assert same_bits(logits(model, ids[i:i + 1]), full[i:i + 1]), f"row {i}"
+    plain = logits(model, ids)
+  err = ((full.double() - plain.double()).norm() / plain.double().norm()).item()
+  assert err < 1e-5, err
+
+
 def test_mode_gradients_and_out_argument(rng):
   a = randn(rng, (6, 10), requires_grad=True)
   w = randn(rng, (4, 10), requires_grad=True)

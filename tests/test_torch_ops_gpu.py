@@ -142,3 +142,45 @@ def test_batch_invariant_mode_rows_alone_match_the_batch_on_the_gpu():
     model(xs[:5]).float().square().sum().backward()
     assert same_bits(xs.grad[:5], dx_batch[:5])
   print(f"plain torch: {plain_rows_differ} of 4 prefixes differed from the batch")
+
+
+def test_mode_makes_an_hf_style_decoder_batch_invariant_on_the_gpu():
+  # The decoder of the CPU test at bf16 on the GPU: with the mode a
+  # sequence's logits alone and in batches of 2 to 64 are the same bits,
+  # eager and compiled; without it cuBLAS's kernel choice (and torch's
+  # reduction split for RMSNorm's mean) moves with the batch.
+  from hf_decoder import decoder, logits
+  model = decoder(2048, 3, hidden=512, n_heads=8, n_layers=2,
+                  ffn=1536).cuda().to(torch.bfloat16)
+  ids = torch.randint(0, 2048, (64, 96), device="cuda")
+  with torch.no_grad():
+    plain = logits(model, ids)
+    plain_differ = sum(not same_bits(logits(model, ids[:b]), plain[:b])
+                       for b in (1, 2, 5, 17))
+    assert plain_differ, "torch's own logits did not move with the batch"
+    with rtb.batch_invariant_mode():
+      full = logits(model, ids)
+      compiled = torch.compile(lambda i: logits(model, i), fullgraph=True)
+      compiled_full = compiled(ids)
+      for b in (1, 2, 5, 17):
+        assert same_bits(logits(model, ids[:b]), full[:b]), f"batch {b}"
+        assert same_bits(compiled(ids[:b]), compiled_full[:b]), f"compiled {b}"
+      for i in (3, 40, 63):
+        assert same_bits(logits(model, ids[i:i + 1]), full[i:i + 1]), f"row {i}"
+  err = ((full.double() - plain.double()).norm() / plain.double().norm()).item()
+  assert err < 2e-2, err  # bf16 logits of a 2-layer model: rounding only
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [1000, 4096, 151936])
+def test_torch_softmax_over_the_last_dim_is_already_batch_invariant(dtype,
+                                                                   width):
+  # Why the mode leaves softmax and log_softmax to torch: their CUDA kernels
+  # size blocks from the row length alone, so a row's bits never depend on
+  # the number of rows.
+  x = (torch.randn(512, width, device="cuda") * 4).to(dtype)
+  for fn in (torch.softmax, torch.log_softmax):
+    full = fn(x, dim=-1)
+    for m in (1, 2, 7, 100):
+      assert same_bits(fn(x[:m], dim=-1), full[:m]), (fn.__name__, m)
+    assert same_bits(fn(x[300:301], dim=-1), full[300:301]), fn.__name__
