@@ -18,8 +18,9 @@ import time
 from absl import app, flags
 
 from benchmarks import (bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
-                        bench_host, bench_invariance, bench_logp, bench_pack,
-                        bench_scaling, bench_torch_ops, harness)
+                        bench_host, bench_invariance, bench_jit_steps,
+                        bench_logp, bench_pack, bench_scaling, bench_torch_ops,
+                        harness)
 
 OUT = flags.DEFINE_string("out", None, "Output folder (default: "
                           "benchmarks/results/<device>-<date>, or smoke-<date> "
@@ -31,11 +32,13 @@ BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "invariance": bench_invariance, "logp": bench_logp,
               "host": bench_host, "bridge": bench_bridge,
               "scaling": bench_scaling, "torch_ops": bench_torch_ops,
+              "jit_steps": bench_jit_steps,
               "det_gemm_sweep": bench_det_gemm_sweep}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
          "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch",
+         "jit_steps": "xla_jit",
          "det_gemm_sweep": "cublas"}
 
 

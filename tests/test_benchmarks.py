@@ -34,14 +34,21 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   out = tmp_path / "out"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-m", "benchmarks", "--only",
-                  "invariance,bridge,torch_ops,det_gemm_sweep", "--repeats", "2",
+                  "invariance,bridge,torch_ops,jit_steps,det_gemm_sweep",
+                  "--repeats", "2",
                   "--sweep_ms", "48", "--out", str(out)],
                  cwd=root, check=True, capture_output=True, text=True,
                  timeout=600)
   with open(out / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert {r["benchmark"] for r in rows} == {"invariance", "bridge", "torch_ops",
-                                            "det_gemm_sweep"}
+                                            "jit_steps", "det_gemm_sweep"}
+  steps = {(r["case"].split()[0], r["implementation"]) for r in rows
+           if r["benchmark"] == "jit_steps" and r["median_ms"]}
+  assert steps == {(c, i) for c in ("decode", "packed")
+                   for i in ("rlk_jit", "xla_jit")}, steps
+  assert any(r["case"].startswith("HF-style decoder") and r["median_ms"]
+             for r in rows if r["benchmark"] == "torch_ops")
   sweep = {(r["case"].split()[1], r["case"].split()[-1]) for r in rows
            if r["benchmark"] == "det_gemm_sweep" and r["median_ms"]}
   assert sweep == {(p, l) for p in ("qkv", "o", "gate_up", "down", "lm_head")
@@ -62,7 +69,7 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   assert sum("rows_differ_from_rlk=" in r["note"] for r in recipe_shapes) == 10
   report = (out / "report.md").read_text()
   assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops",
-                                           "det_gemm_sweep"))
+                                           "jit_steps", "det_gemm_sweep"))
   pngs = sorted(p.name for p in out.glob("*.png"))
   assert "invariance.png" in pngs and "bridge_overhead.png" in pngs, pngs
   assert all(f"![{p}]({p})" in report for p in pngs)
