@@ -8,7 +8,8 @@ mode on against off.
 
 Implementations: ``torch`` (``x @ w.T`` / ``nn.Linear``, cuBLAS on GPUs),
 ``rlk`` (``rlk_torch_bridge.det_gemm`` / ``DetLinear``, the ``rlk::det_mm``
-operator), ``rlk_batch_invariant_mode`` (an unmodified ``nn.Linear`` model
+operator), ``rlk_cpp_autograd`` (the same call with the C++ autograd route
+on, ``rlk::det_mm_sm90``; CUDA), ``rlk_batch_invariant_mode`` (an unmodified ``nn.Linear`` model
 inside ``batch_invariant_mode()``). Notes give rlk's cost over torch's: added
 microseconds per call where launch cost dominates, a time ratio where the
 GPU does. Interleaved rounds, medians (``harness.time_interleaved``).
@@ -42,8 +43,27 @@ def run(smoke: bool) -> list[Row]:
 
 def _linear_fns(torch):
   import rlk_torch_bridge as rtb
-  return {PEER: lambda x, w: torch.nn.functional.linear(x, w),
-          "rlk": lambda x, w: rtb.det_gemm(x, w, transpose_b=True)}
+  fns = {PEER: lambda x, w: torch.nn.functional.linear(x, w),
+         "rlk": lambda x, w: rtb.det_gemm(x, w, transpose_b=True)}
+  cpp = _cpp_route(torch, rtb)
+  if cpp is not None:
+    fns["rlk_cpp_autograd"] = cpp
+  return fns
+
+
+def _cpp_route(torch, rtb):
+  """rtb.det_gemm with the C++ autograd route on (CUDA, where it builds)."""
+  from rlk_torch_bridge import _cpp_autograd
+  if not torch.cuda.is_available() or not _cpp_autograd.load():
+    return None
+
+  def det_gemm(x, w):
+    _cpp_autograd.set_enabled(True)
+    try:
+      return rtb.det_gemm(x, w, transpose_b=True)
+    finally:
+      _cpp_autograd.set_enabled(False)
+  return det_gemm
 
 
 def _interleaved(torch, calls: dict, args, iters):

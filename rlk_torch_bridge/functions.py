@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlk_jax import _pack, _validate
-from rlk_torch_bridge import _gemm_op, _library, _pack_op
+from rlk_torch_bridge import _cpp_autograd, _gemm_op, _library, _pack_op
 from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
 from rlk_torch_bridge._packinfo import PackInfo
 
@@ -29,8 +29,13 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
   check_tensor("det_gemm", "a", a)
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
-  return _library.call(_gemm_op.OP, a, b, False, transpose_b,
-                       a.dtype if out_dtype is None else out_dtype,
+  out_dtype = a.dtype if out_dtype is None else out_dtype
+  if (a.is_cuda and _cpp_autograd.enabled()
+      and not torch.compiler.is_compiling()):
+    run = _cpp_autograd.product(a, b, transpose_b, out_dtype, implementation)
+    if run is not None:
+      return run(a, b)
+  return _library.call(_gemm_op.OP, a, b, False, transpose_b, out_dtype,
                        implementation)
 
 

@@ -19,7 +19,8 @@ OUT="${OUT:-/tmp/rlk-out}"
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site \
+    && export PATH="/tmp/site/bin:$PATH"  # ninja, for torch's cpp_extension
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

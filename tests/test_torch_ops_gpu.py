@@ -184,3 +184,31 @@ def test_torch_softmax_over_the_last_dim_is_already_batch_invariant(dtype,
     for m in (1, 2, 7, 100):
       assert same_bits(fn(x[:m], dim=-1), full[:m]), (fn.__name__, m)
     assert same_bits(fn(x[300:301], dim=-1), full[300:301]), fn.__name__
+
+
+def test_cpp_autograd_route_gives_the_python_routes_bits(monkeypatch):
+  # rlk::det_mm_sm90 (the backward's products launched from C++) against
+  # rlk::det_mm's Python autograd: the same kernels, so the same bits, for
+  # N-D rows and both weight layouts; double backward is refused.
+  from rlk_torch_bridge import _cpp_autograd
+  assert _cpp_autograd.load()
+  for a_shape, transpose_b in (((3, 100, 512), True), ((257, 512), False)):
+    a = bf16(*a_shape)
+    b = bf16(*((384, 512) if transpose_b else (512, 384)))
+    g = bf16(*a_shape[:-1], 384)
+    results = []
+    for cpp in (True, False):
+      monkeypatch.setattr(_cpp_autograd, "_switch", [cpp])
+      x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
+      out = rtb.det_gemm(x, w, transpose_b=transpose_b)
+      assert ("DetMmSm90" in out.grad_fn.name()) == cpp, out.grad_fn.name()
+      out.backward(g)
+      results.append((out, x.grad, w.grad))
+    for name, u, v in zip(("out", "da", "db"), *results):
+      assert same_bits(u, v), (a_shape, transpose_b, name)
+  monkeypatch.setattr(_cpp_autograd, "_switch", [True])
+  x, w = bf16(16, 512, requires_grad=True), bf16(512, 64, requires_grad=True)
+  out = rtb.det_gemm(x, w)
+  g = torch.ones_like(out, requires_grad=True)
+  with pytest.raises(RuntimeError, match="double backward"):
+    torch.autograd.grad(out, x, grad_outputs=g, create_graph=True)

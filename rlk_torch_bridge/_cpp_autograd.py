@@ -1,0 +1,120 @@
+"""det_gemm's eager SM90 route with its autograd in C++ (``rlk::det_mm_sm90``,
+``csrc/det_mm_sm90.cpp``): the backward's products launch from C++ on the
+autograd thread, where the Python ``autograd.Function`` route pays a Python
+autograd node (about 0.1 ms of host time per forward + backward on the
+H100's host; ``docs/torch_bridge.md``). The same kernels, so the same bits.
+
+Built on first use by torch's ``cpp_extension`` against the installed torch
+(about a minute, then cached by torch under ``~/.cache/torch_extensions``).
+Off unless ``RLK_TORCH_CPP_AUTOGRAD=1``: written on 2026-11-23 and not yet
+run on a GPU. Eager calls only: traced (torch.compile, export) and inside a
+CUDA-graph capture ``det_gemm`` keeps ``rlk::det_mm``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import pathlib
+import warnings
+
+import torch
+
+ENV = "RLK_TORCH_CPP_AUTOGRAD"
+SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "det_mm_sm90.cpp"
+
+
+_switch = [os.environ.get(ENV) == "1"]
+
+
+def enabled() -> bool:
+  """Whether eager CUDA det_gemm calls take this route (RLK_TORCH_CPP_AUTOGRAD
+  at import, then :func:`set_enabled`)."""
+  return _switch[0]
+
+
+def set_enabled(on: bool) -> None:
+  _switch[0] = bool(on)
+
+
+@functools.cache
+def load() -> bool:
+  """Builds (once) and loads the operator and hands it the cuda_ffi
+  library's entry. False, with one warning, where it cannot."""
+  try:
+    import cuda_ffi
+    from torch.utils import cpp_extension
+    cpp_extension.load(name="rlk_det_mm_sm90", sources=[str(SOURCE)],
+                       extra_cflags=["-O2"], with_cuda=True,
+                       is_python_module=False)
+    entry = ctypes.cast(cuda_ffi.library().rlk_det_gemm_sm90,
+                        ctypes.c_void_p).value
+    torch.ops.rlk.set_sm90_entry(entry)
+    torch.library.register_fake("rlk::det_mm_sm90")(_fake)
+  except Exception as e:  # noqa: BLE001 - the Python route gives the same bits
+    warnings.warn(f"rlk_torch_bridge: the C++ autograd route is unavailable "
+                  f"({type(e).__name__}: {e}); det_gemm keeps the Python "
+                  f"route (the same kernels and bits)")
+    return False
+  return True
+
+
+def _fake(a, b, transpose_b, out_dtype, config, config_da, config_db):
+  n = b.shape[0] if transpose_b else b.shape[1]
+  return a.new_empty((*a.shape[:-1], n), dtype=out_dtype)
+
+
+_PLANS: dict = {}
+
+
+def product(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
+            out_dtype: torch.dtype, implementation: str | None):
+  """``run(a, b)`` on the C++ route for this call's signature, or None
+  where the route does not apply (another implementation, an empty
+  product, a config that needs a workspace, a capture in progress)."""
+  key = (a.shape, b.shape, transpose_b, a.dtype, b.dtype, out_dtype,
+         implementation, a.device.index)
+  if key in _PLANS:
+    return _PLANS[key]
+  if torch.cuda.is_current_stream_capturing():
+    return None  # configs are chosen by measurement, outside a capture
+  if len(_PLANS) > 4096:
+    _PLANS.clear()
+  run = _PLANS[key] = _plan(a, b, transpose_b, out_dtype, implementation)
+  return run
+
+
+def _products(m, n, k, transpose_b, out_f32):
+  """(m, n, k, transpose_a, transpose_b, out_f32) of the forward, dA and
+  dB products (rlk_jax's VJP, as ``_gemm_op.DetMm.backward`` runs it)."""
+  return ((m, n, k, False, transpose_b, out_f32),
+          (m, k, n, False, not transpose_b, False),
+          (n, k, m, True, False, False) if transpose_b
+          else (k, n, m, True, False, False))
+
+
+def _plan(a, b, transpose_b, out_dtype, implementation):
+  import cuda_ffi
+  from rlk_jax import _gemm_tuning
+  from rlk_torch_bridge import _gemm_op
+  impl = _gemm_op._choose_for(a, b, False, transpose_b, out_dtype,
+                              implementation)
+  k = a.shape[-1]
+  m, n = math.prod(a.shape[:-1]), b.shape[0] if transpose_b else b.shape[1]
+  if impl != "cuda_ffi" or not (m and n and k) or not load():
+    return None
+  codes = []
+  for pm, pn, pk, ta, tb, f32 in _products(m, n, k, transpose_b,
+                                           out_dtype == torch.float32):
+    config = _gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
+                                        transpose_b=tb, out_f32=f32)
+    try:  # refuses a config whose launch needs a workspace
+      cuda_ffi.launcher(pm, pn, pk, transpose_a=ta, transpose_b=tb,
+                        out_f32=f32, config=config)
+    except RuntimeError:
+      return None
+    codes.append(cuda_ffi.CONFIGS[config])
+  op = torch.ops.rlk.det_mm_sm90.default
+  return lambda a, b: op(a, b, transpose_b, out_dtype, *codes)
