@@ -80,6 +80,18 @@ def find_cutlass() -> pathlib.Path:
   return root
 
 
+def toolchain_reason(*, cutlass: bool = True) -> str | None:
+  """Why this machine cannot compile rlk's CUDA sources (None: it can):
+  no nvcc, or (unless `cutlass` is False) no CUTLASS headers."""
+  try:
+    find_nvcc()
+    if cutlass:
+      find_cutlass()
+  except BuildUnavailable as e:
+    return str(e)
+  return None
+
+
 def find_ffi_include() -> pathlib.Path:
   import jax  # only the build needs jax's include dir
   return pathlib.Path(jax.ffi.include_dir())

@@ -66,7 +66,7 @@ def fallthroughs() -> frozenset:
 
 # A handler's answer for calls outside the mode's business (a mean over
 # other dimensions, say): torch runs them, and nothing is said.
-NOT_OURS = object()
+_NOT_OURS = object()
 
 
 def _report(func, args) -> None:
@@ -161,7 +161,7 @@ class _Products:
     to x's dtype. Other reductions go to torch."""
     if (not isinstance(x, torch.Tensor) or x.ndim == 0 or dtype is not None
         or _last_dim(dim, x.ndim) is None or x.shape[-1] == 0):
-      return NOT_OURS
+      return _NOT_OURS
     if not _takes(x):
       return NotImplemented
     k = x.shape[-1]
@@ -222,7 +222,7 @@ class BatchInvariantMode(TorchFunctionMode):
     if handler is not None:
       out = kwargs.pop("out", None)
       result = handler(*args, **kwargs)
-      if result is not NotImplemented and result is not NOT_OURS:
+      if result is not NotImplemented and result is not _NOT_OURS:
         return result if out is None else out.copy_(result)
       if result is NotImplemented:
         _report(func, args)

@@ -16,16 +16,10 @@ from cuda_ffi import build
 from rlk_torch_bridge import _cpp_autograd, _gemm_op, _library
 
 
-def _nvcc_reason():
-  try:
-    build.find_nvcc()
-  except build.BuildUnavailable as e:
-    return str(e)
-  return None
+NO_NVCC = build.toolchain_reason(cutlass=False)
 
 
-@pytest.mark.skipif(_nvcc_reason() is not None,
-                    reason=f"no CUDA toolchain here: {_nvcc_reason()}")
+@pytest.mark.skipif(NO_NVCC is not None, reason=f"no CUDA toolchain: {NO_NVCC}")
 def test_the_source_compiles_against_the_installed_torch(tmp_path):
   include = pathlib.Path(torch.__file__).parent / "include"
   # A CPU build of torch ships c10/cuda's headers without the one header its

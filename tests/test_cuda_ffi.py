@@ -66,17 +66,8 @@ def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
     build.find_nvcc()
 
 
-def _toolchain_reason():
-  try:
-    build.find_nvcc()
-    build.find_cutlass()
-  except build.BuildUnavailable as e:
-    return str(e)
-  return None
-
-
-@pytest.mark.skipif(_toolchain_reason() is not None,
-                    reason=f"no CUDA toolchain here: {_toolchain_reason()}")
+@pytest.mark.skipif(build.toolchain_reason() is not None,
+                    reason=f"no CUDA toolchain here: {build.toolchain_reason()}")
 def test_sources_compile_for_sm90a():
   # Both values of every template switch (operand layouts, output dtype),
   # both schedules, every cluster shape (ping-pong in a cluster too), the

@@ -4,6 +4,9 @@
 // file once per combination, in parallel.
 #include "det_gemm_sm90.h"
 
+#include <atomic>
+#include <cstdint>
+
 // CUTLASS's SM90 kernels wait on the previous grid (griddepcontrol.wait)
 // before their first global access only when this is defined; a kernel
 // launched with programmatic dependent launch (GemmProblem::pdl) must
@@ -273,10 +276,22 @@ LaunchStatus Run(const GemmProblem& p, size_t* workspace_needed) {
   if (needed > p.workspace_bytes) {
     return {false, "the CUTLASS kernel needs more workspace than was given"};
   }
-  if (gemm.initialize(args, p.workspace, p.stream) !=
+  // initialize() also sets the kernel's dynamic shared-memory attribute,
+  // a driver call (about 2-5 us of host time) on every launch; the attribute
+  // lasts per device, so after the first launch on a device a launch that
+  // needs no workspace only rebuilds the params (update(): the TMA
+  // descriptors of these operands). A launch that needs a workspace still
+  // initializes it every time.
+  static std::atomic<uint64_t> attribute_set_on{0};  // one bit per device
+  const uint64_t bit = hw.device_id < 64 ? uint64_t{1} << hw.device_id : 0;
+  const bool attribute_set =
+      needed == 0 && bit != 0 && (attribute_set_on.load() & bit) != 0;
+  if ((attribute_set ? gemm.update(args, p.workspace)
+                     : gemm.initialize(args, p.workspace, p.stream)) !=
       cutlass::Status::kSuccess) {
     return {false, "CUTLASS initialize failed"};
   }
+  if (!attribute_set) attribute_set_on.fetch_or(bit);
   if (gemm.run(p.stream, /*cuda_adapter=*/nullptr, p.pdl) !=
       cutlass::Status::kSuccess) {
     return {false, "CUTLASS kernel launch failed"};
