@@ -17,6 +17,8 @@ GPU does. Interleaved rounds, medians (``harness.time_interleaved``).
 
 from __future__ import annotations
 
+import functools
+
 from absl import app
 
 from benchmarks import harness
@@ -44,11 +46,18 @@ def run(smoke: bool) -> list[Row]:
 def _linear_fns(torch):
   import rlk_torch_bridge as rtb
   fns = {PEER: lambda x, w: torch.nn.functional.linear(x, w),
-         "rlk": lambda x, w: rtb.det_gemm(x, w, transpose_b=True)}
+         "rlk": lambda x, w: rtb.det_gemm(x, w, transpose_b=True),
+         "rlk_batch_invariant_mode": functools.partial(_in_mode, torch, rtb)}
   cpp = _cpp_route(torch, rtb)
   if cpp is not None:
     fns["rlk_cpp_autograd"] = cpp
   return fns
+
+
+def _in_mode(torch, rtb, x, w):
+  """torch's own F.linear call inside the batch-invariant mode."""
+  with rtb.batch_invariant_mode():
+    return torch.nn.functional.linear(x, w)
 
 
 def _cpp_route(torch, rtb):
