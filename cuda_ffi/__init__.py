@@ -29,6 +29,7 @@ FFI_TARGET = "rlk_det_gemm_sm90"
 PACK_INFO_TARGET = "rlk_pack_info"
 GATHER_ROWS_TARGET = "rlk_gather_rows"
 PACK_ROWS_TARGET = "rlk_pack_rows"
+LOGITS_STATS_TARGET = "rlk_logits_stats"
 # Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
 # "auto" lets the library's analytic rule choose by shape. Every config gives
 # the same bits (device-tested); rlk_jax chooses among them by measurement.
@@ -82,9 +83,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
       for target, symbol in ((FFI_TARGET, lib.RlkDetGemmSm90),
                              (PACK_INFO_TARGET, lib.RlkPackInfo),
                              (GATHER_ROWS_TARGET, lib.RlkGatherRows),
-                             (PACK_ROWS_TARGET, lib.RlkPackRows)):
+                             (PACK_ROWS_TARGET, lib.RlkPackRows),
+                             (LOGITS_STATS_TARGET, lib.RlkLogitsStats)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                     platform="CUDA")
+    except AttributeError as e:  # a library built from older sources
+      lib, reason = None, (f"cuda_ffi library unavailable: it lacks an entry "
+                           f"of these sources ({e}); rebuild it")
     except (_build.BuildUnavailable, OSError, RuntimeError) as e:
       lib, reason = None, f"cuda_ffi library unavailable: {e}"
     _state["lib"], _state["reason"] = lib, reason
@@ -347,6 +352,22 @@ def gather_rows(src, idx, fill):
       jax.ShapeDtypeStruct((idx.shape[0], src.shape[1]), src.dtype),
       vmap_method="sequential")
   return call(src, idx, fill_bits=_fill_attr(fill, src.dtype))
+
+
+def logits_stats(logits, targets, stats, *, temperature: float):
+  """Folds f32 logits ``[N, C]`` into linear_logp's running stats (four f32
+  ``[N]``: max, sum of exp, target logit, sum of exp * logit; updated in
+  place, the outputs alias them); `targets` int32 ``[N]`` index this chunk
+  (outside ``[0, C)``: nothing picked). One warp per row, a fixed order:
+  a row's bits never depend on the other rows."""
+  import jax
+  import jax.numpy as jnp
+  library()
+  out = jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32)
+  call = jax.ffi.ffi_call(LOGITS_STATS_TARGET, (out,) * 4,
+                          input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3},
+                          vmap_method="sequential")
+  return call(logits, targets, *stats, temperature=np.float32(temperature))
 
 
 def _fill_attr(fill, dtype):

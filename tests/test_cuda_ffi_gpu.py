@@ -369,3 +369,39 @@ def test_compute_sanitizer_clean(tool, tmp_path):
   log = done.stdout + done.stderr
   assert done.returncode == 0 and "sanitized ok" in done.stdout, log[-3000:]
   assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log, log[-3000:]
+
+
+def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
+  # linear_logp's online logsumexp as a CUDA kernel behind FFI (staged: the
+  # cuda_ffi route still folds with the Triton kernel until this passes).
+  # Two chunks fold into running stats; rows alone give the batch's bits;
+  # the stats match float64 sums of everything folded so far.
+  from pallas_kernels import linear_logp as pallas_logp
+  n, c, temperature = 1000, 8192 + 136, 0.8
+  fold = jax.jit(functools.partial(cuda_ffi.logits_stats,
+                                   temperature=temperature))
+  stats = pallas_logp.initial_stats(n)
+  targets = jnp.asarray(rng.integers(-5, c + 5, n), jnp.int32)
+  seen = []
+  for step in range(2):
+    logits = random_array(rng, (n, c), jnp.float32) * 4
+    got = fold(logits, targets, stats)
+    for m in (1, 3, 100):
+      start = int(rng.integers(0, n - m + 1))
+      rows = slice(start, start + m)
+      alone = fold(logits[rows], targets[rows], [s[rows] for s in stats])
+      for name, g, a in zip(("max", "sum", "picked", "weighted"), got, alone):
+        assert_bitwise_equal(a, g[rows], f"chunk {step} {name} M={m}")
+    seen.append(np.asarray(logits, np.float64) / temperature)
+    x = np.concatenate(seen, axis=1)
+    want_max = x.max(axis=1)
+    e = np.exp(x - want_max[:, None])
+    t = np.asarray(targets)
+    picked = sum(np.where((t >= 0) & (t < c), chunk[np.arange(n), np.clip(t, 0, c - 1)], 0.0)
+                 for chunk in seen)
+    for name, g, w in (("max", got[0], want_max), ("sum", got[1], e.sum(1)),
+                       ("picked", got[2], picked),
+                       ("weighted", got[3], (e * x).sum(1))):
+      g = np.asarray(g, np.float64)
+      assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5, (step, name)
+    stats = got
