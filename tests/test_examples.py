@@ -39,11 +39,15 @@ def perturbed_old_logp(rng, logp, response_mask):
 
 def assert_group_normalized(advantages, rewards):
   adv = np.asarray(advantages, np.float64).reshape(-1, GROUP)
+  r = np.asarray(rewards, np.float64).reshape(-1, GROUP)
   assert np.isfinite(adv).all()
-  np.testing.assert_allclose(adv.mean(axis=1), 0.0, atol=1e-6)
+  # f32 arithmetic: centering costs about eps * max|r| per reward, which the
+  # division by the group's std scales up (a group of close rewards with a
+  # large offset: 1.2e-6 from 0 in one seeded run).
+  slack = 16 * np.finfo(np.float32).eps * np.abs(r).max(axis=1) / r.std(axis=1)
+  assert (np.abs(adv.mean(axis=1)) <= slack).all(), (adv.mean(axis=1), slack)
   np.testing.assert_allclose(adv.std(axis=1), 1.0, rtol=1e-4)
   # Ordered as the rewards within each group: advantage = affine(reward).
-  r = np.asarray(rewards).reshape(-1, GROUP)
   assert (np.argsort(adv, axis=1) == np.argsort(r, axis=1)).all()
 
 
