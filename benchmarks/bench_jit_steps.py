@@ -20,6 +20,9 @@ Implementations:
 * ``..._no_cmdbuf``: the two above in a child process whose XLA runs
   without command buffers (``--xla_gpu_enable_command_buffer=``: XLA reads
   its flags once per process). GPU only.
+* ``rlk_jit_donated`` (decode): ``rlk_jit`` called in a loop on its own
+  output, donated, so every call sees the same buffer addresses (what a
+  command buffer needs to replay without re-recording its rlk calls).
 * ``rlk_torch_graph`` (decode): the same SM90 kernels, in the same order,
   replayed from one torch CUDA graph: the launch-free reference a jitted
   program's per-product cost is judged against.
@@ -162,6 +165,8 @@ def _jax_rows(smoke: bool, suffix: str = "") -> list[Row]:
             functools.partial(decode_step, _rlk_gemm), sets),
         f"xla_jit{suffix}": lambda: harness.jax_batch(
             functools.partial(decode_step, _xla_gemm), sets),
+        f"rlk_jit_donated{suffix}": lambda: _donated_batch(
+            functools.partial(decode_step, _rlk_gemm), *sets[0]),
     }, iters=20)
   capacity, args = _train_inputs(sizes)
   grads = {name: jax.grad(functools.partial(train_loss, rlk, capacity),
@@ -181,6 +186,24 @@ def _jax_rows(smoke: bool, suffix: str = "") -> list[Row]:
           row.note = (f"kernels {kernels:.3f} ms, overhead "
                       f"{(row.median_ms / kernels - 1) * 100:.1f}%")
   return rows
+
+
+def _donated_batch(step, x, layers):
+  """`(run_batch, calls)`: the step called in a loop on its own output,
+  donated, so the output takes the input's buffer and every call sees the
+  same addresses (XLA re-records a command buffer's commands whose buffers
+  moved; without donation each call's output is a new allocation). Each
+  batch starts from a fresh copy of `x`, so values stay bounded."""
+  jitted = jax.jit(step, donate_argnums=0)
+  jax.block_until_ready(jitted(x + 0, layers))  # compile
+
+  def batch(n):
+    state = x + 0
+    for _ in range(max(n, 1)):
+      state = jitted(state, layers)
+    jax.block_until_ready(state)
+
+  return batch, 1
 
 
 def _decode_case(sizes, m):

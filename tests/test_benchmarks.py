@@ -46,7 +46,8 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   steps = {(r["case"].split()[0], r["implementation"]) for r in rows
            if r["benchmark"] == "jit_steps" and r["median_ms"]}
   assert steps == {(c, i) for c in ("decode", "packed")
-                   for i in ("rlk_jit", "xla_jit")}, steps
+                   for i in ("rlk_jit", "xla_jit")} | {
+                       ("decode", "rlk_jit_donated")}, steps
   assert any(r["case"].startswith("HF-style decoder") and r["median_ms"]
              for r in rows if r["benchmark"] == "torch_ops")
   sweep = {(r["case"].split()[1], r["case"].split()[-1]) for r in rows
