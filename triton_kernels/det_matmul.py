@@ -35,29 +35,40 @@ def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
 if triton is not None:
 
   @triton.jit
-  def tile_product(a_ptr, b_ptr, rm, rn, row_in, col_in, K, stride_am,
-                   stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERPRETED_BF16: tl.constexpr):
+  def _step(a, b, acc, INTERPRETED_BF16: tl.constexpr):
+    if INTERPRETED_BF16:
+      # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
+      # integers; bf16 -> f32 is exact, so f32 operands give the products.
+      a = a.to(tl.float32)
+      b = b.to(tl.float32)
+    # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+  @triton.jit
+  def tile_product(a_ptr, b_ptr, rm, rn, K, stride_am, stride_ak, stride_bk,
+                   stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
     """The f32 ``[BLOCK_M, BLOCK_N]`` product of rows `rm` and columns `rn`
-    (64-bit offsets; `row_in` ``[BLOCK_M, 1]``, `col_in` ``[1, BLOCK_N]``):
-    all of K in ``BLOCK_K`` steps, in order, into one accumulator; edges
-    load as zeros. det_matmul and linear_logp share it."""
+    (64-bit offsets, every one in range: callers wrap a tile's overhang
+    onto real rows and columns, whose results they never store): all of K
+    in ``BLOCK_K`` steps, in order, into one accumulator. Only the last,
+    partial K step is masked (beyond K loads as zeros): the full steps load
+    without predicates, the same values, so the same bits. det_matmul and
+    linear_logp share it."""
     rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-      kk = k0 + rk
-      a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                  mask=row_in & (kk[None, :] < K), other=0.0)
-      b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                  mask=(kk[:, None] < K) & col_in, other=0.0)
-      if INTERPRETED_BF16:
-        # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
-        # integers; bf16 -> f32 is exact, so f32 operands give the products.
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-      # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
-      acc = tl.dot(a, b, acc, input_precision="ieee")
+    k_full = K - K % BLOCK_K
+    for _ in range(0, k_full, BLOCK_K):
+      acc = _step(tl.load(a_ptrs), tl.load(b_ptrs), acc, INTERPRETED_BF16)
+      a_ptrs += BLOCK_K * stride_ak
+      b_ptrs += BLOCK_K * stride_bk
+    if k_full < K:
+      kk = k_full + rk
+      acc = _step(tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0),
+                  tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0), acc,
+                  INTERPRETED_BF16)
     return acc
 
   @triton.jit
@@ -82,7 +93,9 @@ if triton is not None:
     rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_in = rm[:, None] < M
     col_in = rn[None, :] < N
-    acc = tile_product(a_ptr, b_ptr, rm, rn, row_in, col_in, K, stride_am,
+    # The tile's overhang past M or N loads wrapped, real rows and columns
+    # (never stored): no row or column masks on the loads.
+    acc = tile_product(a_ptr, b_ptr, rm % M, rn % N, K, stride_am,
                        stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
                        BLOCK_K, INTERPRETED_BF16)
     c = acc.to(c_ptr.dtype.element_ty)

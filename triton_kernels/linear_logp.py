@@ -83,9 +83,11 @@ if triton is not None:
     for c0 in range(0, V, BLOCK_N):
       col_ids = c0 + tl.arange(0, BLOCK_N)
       col_in = col_ids < V
-      logits = tile_product(h_ptr, w_ptr, rm, col_ids.to(tl.int64),
-                            row_in[:, None], col_in[None, :], H, H, 1, V, 1,
-                            BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
+      # Overhanging rows and columns load wrapped, real ones: the update
+      # masks those columns to -inf and those rows are never stored.
+      logits = tile_product(h_ptr, w_ptr, rm % N, col_ids.to(tl.int64) % V,
+                            H, H, 1, V, 1, BLOCK_M, BLOCK_N, BLOCK_K,
+                            INTERPRETED)
       m, s, picked, weighted = _online_update(
           m, s, picked, weighted, logits, col_ids, col_in, target,
           TEMPERATURE, INTERPRETED)
