@@ -66,12 +66,13 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # The steps
 
 
-def decode_step(gemm, x, layers):
-  """4 layers of 7 products; `gemm(a, w)` is ``a @ w``."""
+def decode_step(gemm, x, layers, silu=jax.nn.silu):
+  """4 layers of 7 products; `gemm(a, w)` is ``a @ w`` (JAX arrays, or
+  torch tensors with torch's `silu`: the same products in the same order)."""
   for wq, wk, wv, wo, wg, wu, wd in layers:
     q, k, v = gemm(x, wq), gemm(x, wk), gemm(x, wv)
     x = x + gemm(q + k * v, wo)  # one token's attention, in spirit
-    x = x + gemm(jax.nn.silu(gemm(x, wg)) * gemm(x, wu), wd)
+    x = x + gemm(silu(gemm(x, wg)) * gemm(x, wu), wd)
   return x
 
 
@@ -247,21 +248,12 @@ def _torch_graph_rows(smoke: bool) -> list[Row]:
     sets = [(torch.from_dlpack(x), [[torch.from_dlpack(w) for w in layer]
                                     for layer in layers])
             for x, layers in _decode_inputs(sizes, m)]
-    step = functools.partial(decode_step_torch, torch, gemm)
+    step = functools.partial(decode_step, gemm,
+                             silu=torch.nn.functional.silu)
     rows += harness.interleaved_rows(BENCH, _decode_case(sizes, m), {
         "rlk_torch_graph": lambda: harness.torch_batch(step, sets, graph=True)
     }, iters=20)
   return rows
-
-
-def decode_step_torch(torch, gemm, x, layers):
-  """decode_step with torch tensors (the same products, the same order)."""
-  silu = torch.nn.functional.silu
-  for wq, wk, wv, wo, wg, wu, wd in layers:
-    q, k, v = gemm(x, wq), gemm(x, wk), gemm(x, wv)
-    x = x + gemm(q + k * v, wo)
-    x = x + gemm(silu(gemm(x, wg)) * gemm(x, wu), wd)
-  return x
 
 
 def _child_rows(smoke: bool) -> list[Row]:

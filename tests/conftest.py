@@ -70,6 +70,19 @@ def bits(a) -> np.ndarray:
   return a.view(np.dtype(f"u{a.dtype.itemsize}"))
 
 
+def _float64(a) -> np.ndarray:
+  if hasattr(a, "detach"):  # a torch tensor (bf16 has no numpy dtype)
+    return a.detach().double().cpu().numpy()
+  return np.asarray(a, np.float64)
+
+
+def relative_error(actual, expected) -> float:
+  """``|actual - expected| / |expected|`` (Frobenius norms, in float64) of
+  NumPy, JAX or torch arrays."""
+  actual, expected = _float64(actual), _float64(expected)
+  return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
 def assert_bitwise_equal(actual, expected, msg=""):
   actual, expected = np.asarray(actual), np.asarray(expected)
   assert actual.shape == expected.shape, f"{msg} shape {actual.shape} != {expected.shape}"

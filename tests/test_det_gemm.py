@@ -10,17 +10,12 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from conftest import assert_bitwise_equal, random_array
+from conftest import assert_bitwise_equal, random_array, relative_error
 
 # Power-of-two and ragged K; N not a multiple of the 128-wide tile.
 KS = (64, 512, 1000, 1024)
 N = 200
 M_FULL = 256
-
-
-def relative_error(actual, expected):
-  actual = np.asarray(actual, np.float64)
-  return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
 
 
 def f64(x):
