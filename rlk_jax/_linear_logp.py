@@ -3,8 +3,9 @@ head, in f32, without holding the [N, V] logits, batch-invariant bitwise.
 
 The forward is one fused pass (``pallas``, or ``triton``: the same kernel
 as a @triton.jit function through jax-triton), chunks of f32 logits from the
-SM90 det_gemm folded into the same online logsumexp by the small @triton.jit
-stats kernel (``cuda_ffi``: one ``[N, chunk_size]`` block at a time), or the
+SM90 det_gemm folded into the same online logsumexp by a small CUDA stats
+kernel behind XLA FFI (``cuda_ffi``: one ``[N, chunk_size]`` block at a time,
+every launch a command-buffer-compatible FFI call), or the
 column-by-column reference (``xla``). The backward recomputes the logits a vocabulary chunk at a time
 with det_gemm: ``dlogits = g·(onehot - p) - g_ent·p·(logit - E[logit])``, then
 ``dh += dlogits @ W_cᵀ`` and ``dW_c = hᵀ @ dlogits`` (fixed chunk order, fixed
@@ -51,9 +52,10 @@ def _triton(hidden, weight, targets, temperature, chunk_size):
 
 def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
   # The logits of one vocabulary chunk at a time come from the SM90 det_gemm
-  # (row-invariant); the @triton.jit stats kernel folds them into each row's
-  # running logsumexp in vocabulary order, tile by tile, inside one program
-  # per row block: a row's result never depends on the other rows.
+  # (row-invariant); the CUDA stats kernel folds them into each row's
+  # running logsumexp in vocabulary order, one warp per row in a fixed lane
+  # order: a row's result never depends on the other rows. (Not jax-triton's
+  # stats kernel: its legacy custom call splits XLA's command buffers.)
   v = weight.shape[1]
   stats = logp_kernel.initial_stats(hidden.shape[0])
   if not hidden.shape[0]:  # no launch for an empty grid
@@ -62,16 +64,9 @@ def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
     logits = _det_gemm.det_gemm(hidden, weight[:, c0:c0 + chunk_size],
                                 out_dtype=jnp.float32,
                                 implementation="cuda_ffi")
-    stats = triton_logp.update_stats(logits, targets - c0, stats,
-                                     temperature=temperature,
-                                     config=logp_kernel.DEFAULT_CONFIG)
+    stats = cuda_ffi.logits_stats(logits, targets - c0, stats,
+                                  temperature=temperature)
   return finish_rows(stats, targets, v)
-
-
-def _sm90_unavailable(platform):
-  # One name, one set of kernels (and bits): the route needs both libraries.
-  return (cuda_ffi.unavailable_reason(platform)
-          or triton_backend.unavailable_reason(platform))
 
 
 def finish_rows(stats, targets, v):
@@ -95,9 +90,9 @@ TABLE = _dispatch.register_reference_and_pallas(
     pallas=_pallas,
     pallas_doc="fused row-block kernel: det_matmul K loop + online logsumexp",
     gpu_first=[_dispatch.Implementation(
-        "cuda_ffi", _chunked_sm90, _sm90_unavailable,
-        "SM90 det_gemm logits per vocabulary chunk + the @triton.jit online "
-        "logsumexp kernel through jax-triton (Hopper; bf16, H and V "
+        "cuda_ffi", _chunked_sm90, cuda_ffi.unavailable_reason,
+        "SM90 det_gemm logits per vocabulary chunk + a CUDA online "
+        "logsumexp kernel, all behind XLA FFI (Hopper; bf16, H and V "
         "multiples of 8)",
         operand_check=_sm90_operands),
         _dispatch.Implementation(
