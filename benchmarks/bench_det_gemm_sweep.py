@@ -18,7 +18,8 @@ Competitors, timed in interleaved rounds per product: ``cublas``
 rlk chooses, launched through the torch operator, CUDA-graph replay: kernel
 against kernel), ``rlk_cuda_ffi``, ``rlk_pallas`` and ``rlk_triton``
 (rlk's det_gemm primitive in a jitted JAX program: the route a JAX user
-calls; ``rlk_triton`` is the @triton.jit kernel through jax-triton) and
+calls; ``rlk_triton`` is the @triton.jit kernel through jax-triton,
+``rlk_mosaic_gpu`` the Pallas kernel on Mosaic GPU) and
 ``cublaslt_vllm_recipe`` (torch.matmul under vLLM's batch-invariant
 settings for Hopper, in a child process per family because cuBLAS reads
 them once, interleaved there with rlk's kernel; its ratio is to the
@@ -77,7 +78,7 @@ SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
 SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LAYOUTS = ("fwd", "dA", "dB")
 IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
-         "rlk_pallas", "rlk_triton", "cublaslt_vllm_recipe")
+         "rlk_pallas", "rlk_triton", "rlk_mosaic_gpu", "cublaslt_vllm_recipe")
 
 FAMILIES_FLAG = flags.DEFINE_list("sweep_families", None,
                                   f"Families to run (default all: "
@@ -87,9 +88,9 @@ MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
 IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
                                f"all: {', '.join(IMPLS)}).")
 PALLAS_MS = flags.DEFINE_list(
-    "sweep_pallas_ms", ["1024", "4096"], "The M values rlk_pallas and "
-    "rlk_triton run at: each product compiles its own Triton kernel "
-    "(seconds each).")
+    "sweep_pallas_ms", ["1024", "4096"], "The M values rlk_pallas, "
+    "rlk_triton and rlk_mosaic_gpu run at: each product compiles its own "
+    "kernel (seconds each).")
 MAX_GIB = flags.DEFINE_float(
     "sweep_max_gib", 4.0, "Products with an operand or result larger than "
     "this are left out (lm_head at M >= 8192: rlk's linear_logp runs it in "
@@ -106,6 +107,9 @@ TRITON_CONFIGS = flags.DEFINE_bool(
     "sweep_triton_configs", False, "The same for the @triton.jit kernel "
     "through jax-triton on the same tiles (det_gemm_triton_configs.csv, "
     "det_gemm_triton-<device>.json).")
+MOSAIC_CONFIGS = flags.DEFINE_bool(
+    "sweep_mosaic_configs", False, "Also time every Mosaic GPU config on "
+    "the products rlk_mosaic_gpu runs, as rows rlk_mosaic_gpu_<config>.")
 BUDGET_S = flags.DEFINE_float(
     "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
     "no limit); the rows and tables so far are still written, so a device "
@@ -256,10 +260,17 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   if "rlk_cuda_ffi" in impls and rlk_ready.get("cuda_ffi") and m in jax_ms:
     competitors["rlk_cuda_ffi"] = lambda: harness.jax_batch(
         _rlk_jax("cuda_ffi", ta, tb), pairs)
-  for impl in ("pallas", "triton"):  # one kernel compile per product each
+  for impl in ("pallas", "triton", "mosaic_gpu"):  # a compile per product
     if f"rlk_{impl}" in impls and rlk_ready.get(impl) and m in pallas_ms:
       competitors[f"rlk_{impl}"] = functools.partial(
           harness.jax_batch, _rlk_jax(impl, ta, tb), pairs)
+  if (MOSAIC_CONFIGS.value and "rlk_mosaic_gpu" in competitors):
+    from pallas_kernels import det_matmul_mgpu
+    for name, config in det_matmul_mgpu.CONFIGS.items():
+      competitors[f"rlk_mosaic_gpu_{name}"] = functools.partial(
+          harness.jax_batch, functools.partial(
+              det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb,
+              out_dtype=jnp.bfloat16, config=config), pairs)
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
                                   iters=iters,
                                   repeats=3 if smoke else 5, warmup=1)

@@ -7,9 +7,10 @@ mode on against off.
     python -m benchmarks.bench_torch_ops [--smoke] [--csv out.csv]
 
 Implementations: ``torch`` (``x @ w.T`` / ``nn.Linear``, cuBLAS on GPUs),
-``rlk`` (``rlk_torch_bridge.det_gemm`` / ``DetLinear``, the ``rlk::det_mm``
-operator), ``rlk_cpp_autograd`` (the same call with the C++ autograd route
-on, ``rlk::det_mm_sm90``; CUDA), ``rlk_batch_invariant_mode`` (an unmodified ``nn.Linear`` model
+``rlk`` (``rlk_torch_bridge.det_gemm`` / ``DetLinear``: eager CUDA calls on
+the C++ autograd route ``rlk::det_mm_sm90``, traced ones the ``rlk::det_mm``
+operator), ``rlk_python_autograd`` (the same call with the C++ route off:
+``rlk::det_mm`` and its Python autograd; CUDA), ``rlk_batch_invariant_mode`` (an unmodified ``nn.Linear`` model
 inside ``batch_invariant_mode()``). Notes give rlk's cost over torch's: added
 microseconds per call where launch cost dominates, a time ratio where the
 GPU does. Interleaved rounds, medians (``harness.time_interleaved``).
@@ -48,9 +49,8 @@ def _linear_fns(torch):
   fns = {PEER: lambda x, w: torch.nn.functional.linear(x, w),
          "rlk": lambda x, w: rtb.det_gemm(x, w, transpose_b=True),
          "rlk_batch_invariant_mode": functools.partial(_in_mode, torch, rtb)}
-  cpp = _cpp_route(torch, rtb)
-  if cpp is not None:
-    fns["rlk_cpp_autograd"] = cpp
+  if torch.cuda.is_available():
+    fns["rlk_python_autograd"] = functools.partial(_python_route, rtb)
   return fns
 
 
@@ -60,19 +60,15 @@ def _in_mode(torch, rtb, x, w):
     return torch.nn.functional.linear(x, w)
 
 
-def _cpp_route(torch, rtb):
-  """rtb.det_gemm with the C++ autograd route on (CUDA, where it builds)."""
+def _python_route(rtb, x, w):
+  """rtb.det_gemm with the C++ autograd route off (rlk::det_mm)."""
   from rlk_torch_bridge import _cpp_autograd
-  if not torch.cuda.is_available() or not _cpp_autograd.load():
-    return None
-
-  def det_gemm(x, w):
-    _cpp_autograd.set_enabled(True)
-    try:
-      return rtb.det_gemm(x, w, transpose_b=True)
-    finally:
-      _cpp_autograd.set_enabled(False)
-  return det_gemm
+  was = _cpp_autograd.enabled()
+  _cpp_autograd.set_enabled(False)
+  try:
+    return rtb.det_gemm(x, w, transpose_b=True)
+  finally:
+    _cpp_autograd.set_enabled(was)
 
 
 def _interleaved(torch, calls: dict, args, iters):

@@ -4,6 +4,8 @@ Kernels own only the arithmetic; argument checks, gradients and the choice of
 implementation live in ``rlk_jax``.
 """
 
-from pallas_kernels import det_matmul, linear_logp, row_gather, triton_backend
+from pallas_kernels import (det_matmul, det_matmul_mgpu, linear_logp, row_gather,
+                            triton_backend)
 
-__all__ = ["det_matmul", "linear_logp", "row_gather", "triton_backend"]
+__all__ = ["det_matmul", "det_matmul_mgpu", "linear_logp", "row_gather",
+           "triton_backend"]

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import cuda_ffi
-from pallas_kernels import det_matmul
+from pallas_kernels import det_matmul, det_matmul_mgpu
 from triton_kernels import backend as triton_backend
 from triton_kernels import det_matmul as triton_det_matmul
 from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
@@ -60,6 +60,11 @@ def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
   return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
                                   transpose_b=transpose_b,
                                   out_dtype=out_dtype, config=config)
+
+
+def _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  return det_matmul_mgpu.matmul(a, b, transpose_a=transpose_a,
+                                transpose_b=transpose_b, out_dtype=out_dtype)
 
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
@@ -101,7 +106,12 @@ TABLE = _dispatch.register_reference_and_pallas(
         _dispatch.Implementation(
         "triton", _triton_matmul, triton_backend.unavailable_reason,
         "the same tiled K-ordered kernel as a @triton.jit function, launched "
-        "through jax-triton (and natively from torch); CUDA GPUs")],
+        "through jax-triton (and natively from torch); CUDA GPUs"),
+        _dispatch.Implementation(
+        "mosaic_gpu", _mosaic_gpu_matmul, det_matmul_mgpu.unavailable_reason,
+        "Pallas on Mosaic GPU: TMA, wgmma, two compute warpgroups and a "
+        "persistent grid, K in 64-wide steps in order (Hopper; bf16/f16)",
+        operand_check=det_matmul_mgpu.operand_reason)],
 )
 
 

@@ -1,13 +1,17 @@
 """rlk's FFI calls inside XLA's command buffers (CUDA graphs) on a GPU
-(`pytest -m gpu`; the HLO parser's test runs anywhere): in a jitted program of det_gemm products, pack, unpack
-and linear_logp, every rlk custom call sits in a command-buffer region of
-the compiled program, and the program returns the bits of op-by-op calls.
+(`pytest -m gpu`; the dump parser's test runs anywhere): in a jitted program
+of det_gemm products, pack, unpack and linear_logp, every custom call (all
+of them rlk's) runs inside a command buffer, and the program returns the
+bits of op-by-op calls.
 
-XLA's command-buffer scheduling is an HLO pass: it outlines runs of
-capturable instructions into computations named ``command_buffer*`` that
-run as one CUDA graph. A custom call lands in one only if XLA knows it is
-capturable (the FFI handler's traits), so the optimized HLO says where each
-call runs."""
+XLA (jaxlib 0.11) forms command buffers from the compiled program's thunk
+sequence (``CommandBufferConversionPass``), not in HLO: the optimized HLO
+no longer shows them. The pass's result is dumped as
+``*.thunk_sequence_after_thunk_passes.txt``: each ``kCommandBuffer`` thunk
+lists the thunks it captured, indented beneath it; a custom call left out
+(a handler without the command-buffer trait, a legacy custom call such as
+jax-triton's, a run shorter than ``xla_gpu_graph_min_graph_size``) stays a
+top-level ``kCustomCall`` line."""
 
 import re
 
@@ -30,38 +34,39 @@ def on_sm90(test):
   return test
 
 
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_THUNK = re.compile(r"^(\s*)\d+\s*:\s*(k\w+)")
 
 
-def custom_calls_by_computation(hlo_text: str) -> dict[str, list[str]]:
-  """{computation name: [custom-call targets]} of an HLO module's text."""
-  calls, current = {}, None
-  for line in hlo_text.splitlines():
-    opened = _COMPUTATION.match(line)
-    if opened and "=" not in line.split("{")[0]:
-      current = opened.group(1)
+def custom_call_thunks(sequence: str) -> tuple[int, int]:
+  """(captured, left out): kCustomCall thunks indented under a
+  kCommandBuffer thunk, and those at the top level of the sequence."""
+  captured = outside = 0
+  in_buffer = False
+  for line in sequence.splitlines():
+    thunk = _THUNK.match(line)
+    if not thunk:
       continue
-    target = _TARGET.search(line)
-    if target and current is not None:
-      calls.setdefault(current, []).append(target.group(1))
-  return calls
+    indent, kind = thunk.groups()
+    if not indent:
+      in_buffer = kind == "kCommandBuffer"
+      outside += kind == "kCustomCall"
+    elif kind == "kCustomCall":
+      captured += in_buffer
+      outside += not in_buffer
+  return captured, outside
 
 
-def test_the_parser_reads_computations_and_targets():
-  hlo = """HloModule m
-%command_buffer.3 (p0: bf16[8,8]) -> bf16[8,8] {
-  %p0 = bf16[8,8]{1,0} parameter(0)
-  ROOT %c = bf16[8,8]{1,0} custom-call(%p0), custom_call_target="rlk_det_gemm_sm90", backend_config={}
-}
-ENTRY %main.1 (a: bf16[8,8]{1,0}) -> bf16[8,8]{1,0} {
-  %a = bf16[8,8] parameter(0)
-  %x = bf16[8,8] custom-call(%a), custom_call_target="triton_kernel_call"
-  ROOT %y = bf16[8,8] call(%x), to_apply=%command_buffer.3
-}"""
-  assert custom_calls_by_computation(hlo) == {
-      "command_buffer.3": ["rlk_det_gemm_sm90"],
-      "main.1": ["triton_kernel_call"]}
+def test_the_dump_parser_counts_captured_and_left_out_calls():
+  sequence = """000: kCommandBuffer
+  001: kKernel
+  002: kCustomCall
+  003: kCustomCall
+004: kCustomCall
+005: kCommandBuffer
+  006: kCustomCall
+007: kKernel"""
+  assert custom_call_thunks(sequence) == (3, 1)
+  assert custom_call_thunks("000: kKernel\n001: kCustomCall") == (0, 1)
 
 
 def _program_inputs(rng):
@@ -85,16 +90,22 @@ def _program(x, mask, weights, head, targets):
 
 
 @on_sm90
-def test_every_rlk_call_runs_in_a_command_buffer_with_op_by_op_bits(rng):
+def test_every_rlk_call_runs_in_a_command_buffer_with_op_by_op_bits(rng,
+                                                                    tmp_path):
   args = _program_inputs(rng)
-  compiled = jax.jit(_program).lower(*args).compile()
-  calls = custom_calls_by_computation(compiled.as_text())
-  ours = {(name, target) for name, targets in calls.items()
-          for target in targets
-          if target.startswith("rlk_") or target == "triton_kernel_call"}
-  assert {t for _, t in ours} >= {"rlk_det_gemm_sm90", "triton_kernel_call"}, ours
-  outside = sorted((t, n) for n, t in ours if "command_buffer" not in n)
-  assert not outside, f"rlk calls outside command buffers: {outside}"
+  lowered = jax.jit(_program).lower(*args)
+  hlo_calls = re.findall(r'custom_call_target="([^"]+)"',
+                         lowered.compile().as_text())
+  assert hlo_calls and all(t.startswith("rlk_") for t in hlo_calls), hlo_calls
+  assert {"rlk_det_gemm_sm90", "rlk_logits_stats"} <= set(hlo_calls)
+  compiled = lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+  dumps = sorted(tmp_path.glob("*thunk_sequence_after_thunk_passes.txt"))
+  assert dumps, ("no thunk pass changed the program (nothing captured): "
+                 f"{sorted(p.name for p in tmp_path.iterdir())[:40]}")
+  sequence = max(dumps, key=lambda p: p.stat().st_size).read_text()
+  captured, outside = custom_call_thunks(sequence)
+  assert outside == 0 and captured >= len(hlo_calls), (
+      captured, outside, len(hlo_calls), sequence[:4000])
   jitted = compiled(*args)
   op_by_op = _program(*args)  # eager: each op its own executable
   for got, want in zip(jitted, op_by_op):

@@ -63,9 +63,9 @@ def test_backward_products_are_the_python_routes(monkeypatch, transpose_b):
   assert calls == list(want[1:])
 
 
-def test_off_by_default_and_never_taken_on_cpu(monkeypatch):
+def test_on_by_default_and_never_taken_on_cpu(monkeypatch):
   import os
-  assert _cpp_autograd.enabled() == (os.environ.get(_cpp_autograd.ENV) == "1")
+  assert _cpp_autograd.enabled() == (os.environ.get(_cpp_autograd.ENV) != "0")
   monkeypatch.setattr(_cpp_autograd, "_switch", [True])
   taken = []
   monkeypatch.setattr(_cpp_autograd, "product",

@@ -1,0 +1,278 @@
+"""det_gemm's Pallas kernel on Mosaic GPU (Hopper): ``op(A) @ op(B)`` with
+TMA loads, wgmma into one f32 accumulator per output tile, a memory
+warpgroup feeding two compute warpgroups, and a persistent grid.
+
+Why its bits are the SM90 kernels' (``cuda_ffi``): every output tile walks
+K in 64-wide steps from 0 upwards, each step four k16 wgmma instructions
+issued in order into the same f32 accumulator, exactly the order CUTLASS's
+mainloop issues them; the K tail and the tiles' overhang past M and N are
+TMA zero fills (a zero product leaves an f32 sum's bits alone), and the
+epilogue rounds the accumulator once to the output dtype. Tile shape,
+warpgroup split, pipeline depth and tile order only decide which SM runs a
+tile and when, never the order of one element's sum: a row's bits do not
+depend on M or on the rows around it.
+
+The operands keep their layouts: a stored-transposed operand is loaded as
+its own ``[K, M]`` / ``[N, K]`` tiles and handed to wgmma transposed in
+shared memory (bf16/f16 only), so the backward's ``g·Bᵀ`` and ``Aᵀ·g`` read
+the forward operands in place.
+
+A TMA copy into a swizzled tile needs the global array's rows to be whole
+tiles: a multiple of 8 rows and of 64 elements (128 bytes) per row. Other
+shapes are zero-padded up to that and the result sliced back: padded K
+adds exact zero products (the K loop already runs to a multiple of 64 and
+the SM90 kernels zero-fill that tail the same way), padded rows and columns
+are other outputs, dropped. Written against jax 0.11.2's
+``jax.experimental.pallas.mosaic_gpu`` (modelled on its ``hopper_matmul_mgpu``
+example, which refuses shapes its tiles do not divide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+BLOCK_K = 64  # the K step of every rlk det_gemm kernel: part of the bits
+_SWIZZLE = 128  # bytes: 64 bf16 per swizzled row, for A, B and the output
+_SMEM_BYTES = 227 * 1024
+_EPILOGUE = 64  # epilogue sub-tiles are at most 64x64
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+  """One compute warpgroup's tile (`tile_m` x `tile_n`); the two compute
+  warpgroups split the CTA's tile along `split` ("m" or "n"). `stages`:
+  TMA pipeline depth (lowered to fit shared memory); `snake`: the
+  persistent loop's tile-order band width (L2 reuse)."""
+  tile_m: int = 128
+  tile_n: int = 128
+  split: str = "n"
+  stages: int = 4
+  snake: int = 8
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (2 if self.split == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (2 if self.split == "n" else 1)
+
+
+CONFIGS = {
+    "128x256": MgpuConfig(128, 128, "n"),
+    "256x128": MgpuConfig(128, 128, "m"),
+    "128x128": MgpuConfig(128, 64, "n"),
+    "64x256": MgpuConfig(64, 128, "n"),
+}
+
+
+def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
+  """The largest CTA tile that still gives every SM a tile: big tiles
+  reuse more of each load, small ones fill the GPU at small M."""
+  for name in ("128x256", "128x128", "64x256"):
+    cfg = CONFIGS[name]
+    if -(-m // cfg.cta_m) * -(-n // cfg.cta_n) >= num_sms:
+      return cfg
+  return CONFIGS["64x256"] if m <= 64 else CONFIGS["128x128"]
+
+
+def operand_reason(m, n, k, transpose_a, transpose_b, dtype, out_dtype):
+  """None if the kernel takes this product, else why not (wgmma's 16-bit
+  transposable operands; any shape, padded where TMA needs it)."""
+  del m, n, k, transpose_a, transpose_b  # padded to whole tiles
+  dtype, out_dtype = np.dtype(dtype), np.dtype(out_dtype)
+  if dtype.name not in ("bfloat16", "float16"):
+    return f"operands must be bfloat16 or float16, got {dtype}"
+  if out_dtype.name not in (dtype.name, "float32"):
+    return f"the result must be {dtype} or float32, got {out_dtype}"
+  return None
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _zero_padded(x, shape):
+  pads = [(0, want - have) for have, want in zip(x.shape, shape)]
+  return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def unavailable_reason(platform: str) -> str | None:
+  """None where the kernel can run: a Hopper GPU (wgmma) and a jax with
+  Pallas's Mosaic GPU backend."""
+  if platform != "gpu":
+    return f"Mosaic GPU kernels run on NVIDIA GPUs (platform {platform!r})"
+  try:
+    _plgpu()
+  except ImportError as e:
+    return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+  cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  if cc is None or not str(cc).startswith("9."):
+    return f"needs a Hopper GPU (compute capability 9.x, wgmma), found {cc}"
+  return None
+
+
+def _plgpu():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu
+
+
+def _interpreter(plgpu):
+  # Exported from plgpu since jax 0.11; private before.
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    params = InterpretGPUParams
+  return params()
+
+
+def _swizzled(plgpu, itemsize: int):
+  return (plgpu.TilingTransform((8, _SWIZZLE // itemsize)),
+          plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def _stages(cfg: MgpuConfig, itemsize: int, out_itemsize: int,
+            epi_m: int, epi_n: int) -> int:
+  per_stage = (cfg.cta_m + cfg.cta_n) * BLOCK_K * itemsize
+  epilogue = 2 * 2 * epi_m * epi_n * out_itemsize
+  return max(2, min(cfg.stages, (_SMEM_BYTES - epilogue - 4096) // per_stage))
+
+
+def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
+            cfg: MgpuConfig):
+  plgpu = _plgpu()
+  tm, tn, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
+  m_iters, n_iters = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n)
+  k_iters = pl.cdiv(k, BLOCK_K)
+  itemsize = jnp.dtype(a_gmem.dtype).itemsize
+  out_dtype = out_gmem.dtype
+  epi_m, epi_n = min(_EPILOGUE, tm), min(_EPILOGUE, tn)
+  slots = min(2, (tm * tn) // (epi_m * epi_n))
+  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  out_transforms = (
+      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+      plgpu.SwizzleTransform(out_swizzle))
+  transforms = _swizzled(plgpu, itemsize)
+  # A tile is [cta_m, 64] or, stored transposed, [64, cta_m]; B's likewise.
+  a_spec = plgpu.BlockSpec(
+      (BLOCK_K, cta_m) if transpose_a else (cta_m, BLOCK_K),
+      (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
+      transforms=transforms, memory_space=plgpu.SMEM)
+  b_spec = plgpu.BlockSpec(
+      (cta_n, BLOCK_K) if transpose_b else (BLOCK_K, cta_n),
+      (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0)),
+      transforms=transforms, memory_space=plgpu.SMEM)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec],
+        wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=_stages(cfg, itemsize,
+                                     jnp.dtype(out_dtype).itemsize,
+                                     epi_m, epi_n),
+        compute_context=compute_context)
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
+                          transforms=out_transforms),
+      collective_axes="wg")
+  def _scope(allocations, out_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tiles(loop):
+      (tile,) = loop.index
+      mi, ni = plgpu.planar_snake(tile, (m_iters, n_iters), 1, cfg.snake)
+      rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+      wg_rows = pl.ds(wg * tm, tm) if cfg.split == "m" else slice(None)
+      wg_cols = pl.ds(wg * tn, tn) if cfg.split == "n" else slice(None)
+
+      def compute(run_pipeline):
+        # A fresh accumulator per output tile (zeroed at allocation).
+        @functools.partial(pl.run_scoped,
+                           acc=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc(acc):
+          run_pipeline(acc)
+          out = acc[...].astype(out_dtype)  # waits for every wgmma
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          dst = out_gmem.at[rows, cols].at[wg_rows, wg_cols]
+          for ei in range(tm // epi_m):
+            for ej in range(tn // epi_n):
+              sub_m = slice(ei * epi_m, (ei + 1) * epi_m)
+              sub_n = slice(ej * epi_n, (ej + 1) * epi_n)
+              slot = (ei * (tn // epi_n) + ej) % slots
+              # The slot's previous TMA store must have read it.
+              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+              out_smem[wg, slot] = out[sub_m, sub_n]
+              plgpu.commit_smem()
+              # Rows and columns past M and N are clipped by the TMA store.
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                      dst.at[sub_m, sub_n])
+
+      def k_step(_, a_smem, b_smem, acc):
+        a_op = (a_smem.at[:, wg_rows].T if transpose_a
+                else a_smem.at[wg_rows, :])
+        b_op = (b_smem.at[wg_cols, :].T if transpose_b
+                else b_smem.at[:, wg_cols])
+        plgpu.wgmma(acc, a_op, b_op)
+        plgpu.wgmma_wait(0)  # in order, and the stage may be refilled
+        return acc
+
+      a_view = a_gmem.at[:, rows] if transpose_a else a_gmem.at[rows, :]
+      b_view = b_gmem.at[cols, :] if transpose_b else b_gmem.at[:, cols]
+      pipeline(k_step, compute)(a_view, b_view, allocations=allocations)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
+           transpose_b: bool = False, out_dtype=None,
+           config: MgpuConfig | None = None, num_sms: int | None = None,
+           interpret: bool = False) -> jax.Array:
+  """``op(a) @ op(b)``: `a` is ``[M, K]`` (``[K, M]`` if `transpose_a`),
+  `b` ``[K, N]`` (``[N, K]`` if `transpose_b`); f32 accumulation, result in
+  `out_dtype` (default: the operands'). `interpret` runs Mosaic GPU's
+  interpreter (CPU tests; its arithmetic is not the hardware's)."""
+  plgpu = _plgpu()
+  m, k = a.shape[::-1] if transpose_a else a.shape
+  n = b.shape[0] if transpose_b else b.shape[1]
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  reason = operand_reason(m, n, k, transpose_a, transpose_b, a.dtype,
+                          out_dtype)
+  if reason is not None or b.dtype != a.dtype:
+    raise ValueError(f"det_matmul_mgpu: cannot take A {a.shape} {a.dtype}, "
+                     f"B {b.shape} {b.dtype} -> {out_dtype}: "
+                     f"{reason or 'A and B dtypes differ'}")
+  if not (m and k):  # no launch for an empty grid; an empty sum is +0.0
+    return jnp.zeros((m, n), out_dtype)
+  # Whole TMA tiles: 8 rows, 64 elements per row (see the module docstring).
+  mp = _round_up(m, BLOCK_K if transpose_a else 8)
+  np_, kp = _round_up(n, BLOCK_K), _round_up(k, BLOCK_K)
+  a = _zero_padded(a, (kp, mp) if transpose_a else (mp, kp))
+  b = _zero_padded(b, (np_, kp) if transpose_b else (kp, np_))
+  if num_sms is None:
+    num_sms = 4 if interpret else jax.devices()[0].core_count
+  cfg = config or choose_config(m, n, num_sms)
+  tiles = pl.cdiv(mp, cfg.cta_m) * pl.cdiv(np_, cfg.cta_n)
+  params = {"interpret": _interpreter(plgpu)} if interpret else {}
+  out = plgpu.kernel(
+      functools.partial(_kernel, m=mp, n=np_, k=kp, transpose_a=transpose_a,
+                        transpose_b=transpose_b, cfg=cfg),
+      out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      grid=(min(num_sms, tiles),), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **params)(a, b)
+  return out if (mp, np_) == (m, n) else out[:m, :n]

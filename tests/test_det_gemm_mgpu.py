@@ -1,0 +1,84 @@
+"""det_gemm's Mosaic GPU kernel on the CPU: it lowers for CUDA (Mosaic GPU's
+lowering runs in Python, so TMA's and wgmma's layout rules are checked here
+for every config, layout and output dtype at ragged shapes), its arithmetic
+runs in Mosaic GPU's interpreter (jax >= 0.11: 0.10's interpreter has no
+transposed refs or out-of-bounds TMA fills and stalls on this kernel's warp
+specialization), and it declines what it cannot take. The hardware's bits:
+test_det_gemm_mgpu_gpu.py."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from conftest import ON_GPU, random_array, relative_error
+from pallas_kernels import det_matmul_mgpu
+
+LAYOUTS = list(itertools.product((False, True), repeat=2))
+INTERPRETER = tuple(map(int, jax.__version__.split(".")[:2])) >= (0, 11)
+
+
+def _operands(rng, m, n, k, ta, tb, dtype=jnp.bfloat16):
+  a = random_array(rng, (k, m) if ta else (m, k), dtype)
+  b = random_array(rng, (n, k) if tb else (k, n), dtype)
+  return a, b
+
+
+@pytest.mark.parametrize("config", sorted(det_matmul_mgpu.CONFIGS))
+def test_every_config_and_layout_lowers_for_cuda(config):
+  # 1001 rows, 776 / 4104 elements per row: none a whole TMA tile.
+  m, n, k = 1001, 4104, 776
+  for (ta, tb), out in itertools.product(LAYOUTS, (jnp.bfloat16, jnp.float32)):
+    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
+    f = jax.jit(functools.partial(
+        det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb, out_dtype=out,
+        config=det_matmul_mgpu.CONFIGS[config], num_sms=132))
+    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, (config, ta, tb, out)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason=(
+    "Mosaic GPU's interpreter before jax 0.11 cannot run this kernel "
+    "(transposed refs, TMA zero fill, warp specialization); the device "
+    "tests run it on hardware"))
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
+def test_interpreted_products_are_accurate_at_ragged_shapes(ta, tb, rng):
+  for (m, n, k), out, config in ((( 200, 136, 104), jnp.float32, "128x256"),
+                                 ((72, 264, 520), jnp.bfloat16, "256x128"),
+                                 ((1, 64, 64), jnp.float32, "64x256")):
+    a, b = _operands(rng, m, n, k, ta, tb)
+    got = det_matmul_mgpu.matmul(a, b, transpose_a=ta, transpose_b=tb,
+                                 out_dtype=out, num_sms=3, interpret=True,
+                                 config=det_matmul_mgpu.CONFIGS[config])
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
+    assert got.shape == (m, n) and got.dtype == out
+    assert relative_error(got, ref) < (1e-6 if out == jnp.float32 else 5e-3)
+
+
+def test_operand_reasons_and_cpu_availability():
+  reason = det_matmul_mgpu.operand_reason
+  assert reason(7, 776, 1001, True, True, jnp.bfloat16, jnp.float32) is None
+  assert "bfloat16 or float16" in reason(8, 8, 8, False, False, jnp.float32,
+                                         jnp.float32)
+  assert "float32" in reason(8, 8, 8, False, False, jnp.bfloat16, jnp.int8)
+  if not ON_GPU:
+    why = rlk_jax.implementations("det_gemm")["mosaic_gpu"]
+    assert why is not None and "NVIDIA GPUs" in why
+    with pytest.raises(RuntimeError, match="mosaic_gpu.*not available"):
+      rlk_jax.det_gemm(jnp.ones((8, 8), jnp.bfloat16),
+                       jnp.ones((8, 8), jnp.bfloat16),
+                       implementation="mosaic_gpu")
+
+
+def test_empty_products_need_no_launch():
+  for m, k in ((0, 64), (16, 0)):
+    got = det_matmul_mgpu.matmul(jnp.ones((m, k), jnp.bfloat16),
+                                 jnp.ones((k, 24), jnp.bfloat16),
+                                 out_dtype=jnp.float32)
+    assert got.shape == (m, 24) and not np.asarray(got).any()
