@@ -166,6 +166,7 @@ def test_mode_makes_an_hf_style_decoder_batch_invariant_on_the_gpu():
       compiled_full = compiled(ids)
       for b in (1, 2, 5, 17):
         assert same_bits(logits(model, ids[:b]), full[:b]), f"batch {b}"
+      for b in (1, 17):  # an Inductor compile per batch size: two suffice
         assert same_bits(compiled(ids[:b]), compiled_full[:b]), f"compiled {b}"
       for i in (3, 40, 63):
         assert same_bits(logits(model, ids[i:i + 1]), full[i:i + 1]), f"row {i}"
