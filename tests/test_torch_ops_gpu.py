@@ -152,7 +152,7 @@ def test_mode_makes_an_hf_style_decoder_batch_invariant_on_the_gpu():
   # 128 rows and not at 256 (bench_invariance, H100), so 4-68 rows against
   # 256 differ (at hidden 512, FFN 1536 and 96-token rows they did not).
   from hf_decoder import decoder, logits
-  model = decoder(2048, 3, hidden=1024, n_heads=8, n_layers=2,
+  model = decoder(2048, 3, hidden=1024, n_heads=4, n_layers=2,
                   ffn=14336).cuda().to(torch.bfloat16)
   ids = torch.randint(0, 2048, (64, 4), device="cuda")
   with torch.no_grad():
@@ -162,17 +162,21 @@ def test_mode_makes_an_hf_style_decoder_batch_invariant_on_the_gpu():
     assert plain_differ, "torch's own logits did not move with the batch"
     with rtb.batch_invariant_mode():
       full = logits(model, ids)
-      # Static shapes: one compile per size (dynamic shapes spent minutes in
-      # sympy on this model).
-      compiled = torch.compile(lambda i: logits(model, i), fullgraph=True,
-                               dynamic=False)
-      compiled_full = compiled(ids)
       for b in (1, 2, 5, 17):
         assert same_bits(logits(model, ids[:b]), full[:b]), f"batch {b}"
-      for b in (1, 17):  # an Inductor compile per batch size: two suffice
-        assert same_bits(compiled(ids[:b]), compiled_full[:b]), f"compiled {b}"
       for i in (3, 40, 63):
         assert same_bits(logits(model, ids[i:i + 1]), full[i:i + 1]), f"row {i}"
+      # Compiled: the mode runs attention's batched products one det_gemm
+      # per (sequence, head), so the traced graph grows with the batch
+      # (64 x 4 x 2 per layer took Inductor minutes): 8 sequences, static
+      # shapes, one compile per size.
+      compiled = torch.compile(lambda i: logits(model, i), fullgraph=True,
+                               dynamic=False)
+      # (Against its own batch, not eager: Inductor fuses the norms'
+      # elementwise chains without eager's intermediate bf16 roundings.)
+      compiled_eight = compiled(ids[:8])
+      for b in (1, 3):
+        assert same_bits(compiled(ids[:b]), compiled_eight[:b]), f"compiled {b}"
   err = relative_error(full, plain)
   assert err < 2e-2, err  # bf16 logits of a 2-layer model: rounding only
 
