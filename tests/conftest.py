@@ -100,6 +100,22 @@ def assert_row_windows_match(gemm, a, b, full, ms, rng, msg=""):
                          f"{msg} M={m} at row {start}")
 
 
+def assert_same_gradients(rng, m, k, n, impl, other):
+  """det_gemm's dA and dB at ``[m, k] @ [k, n]`` under `impl` and `other`
+  (each with whatever config it picks for the three products), bitwise."""
+  import functools
+
+  import rlk_jax
+  a = random_array(rng, (m, k), jnp.bfloat16)
+  b = random_array(rng, (k, n), jnp.bfloat16)
+  g = random_array(rng, (m, n), jnp.bfloat16)
+  vjp = lambda name: jax.vjp(functools.partial(rlk_jax.det_gemm,
+                                               implementation=name), a, b)[1](g)
+  (da, db), (o_da, o_db) = vjp(impl), vjp(other)
+  assert_bitwise_equal(da, o_da, f"dA {impl} vs {other}")
+  assert_bitwise_equal(db, o_db, f"dB {impl} vs {other}")
+
+
 def random_array(rng, shape, dtype):
   """Random values in `dtype`, never all zeros; ints span a wide range."""
   dtype = jnp.dtype(dtype)

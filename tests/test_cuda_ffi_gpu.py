@@ -16,7 +16,8 @@ import pytest
 import cuda_ffi
 import rlk_jax
 from rlk_jax import _det_gemm
-from conftest import ON_GPU, assert_bitwise_equal, random_array, relative_error
+from conftest import (ON_GPU, assert_bitwise_equal, assert_same_gradients,
+                      random_array, relative_error)
 
 ON_SM90 = ON_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 pytestmark = [pytest.mark.gpu,
@@ -215,14 +216,7 @@ def test_backward_same_bits_as_pallas(m, n, rng):
   # Determinism, padding and row invariance of the backward:
   # test_det_gemm_gpu.py::test_weight_gradient_padding_inert_at_size.
   # Whatever config rlk_jax measured fastest for each of the three products.
-  a = random_array(rng, (m, 4096), jnp.bfloat16)
-  b = random_array(rng, (4096, n), jnp.bfloat16)
-  g = random_array(rng, (m, n), jnp.bfloat16)
-  vjp = lambda impl: jax.vjp(functools.partial(rlk_jax.det_gemm,
-                                               implementation=impl), a, b)[1](g)
-  (da, db), (p_da, p_db) = vjp("cuda_ffi"), vjp("pallas")
-  assert_bitwise_equal(da, p_da, "dA vs pallas")
-  assert_bitwise_equal(db, p_db, "dB vs pallas")
+  assert_same_gradients(rng, m, 4096, n, "cuda_ffi", "pallas")
 
 
 def test_jit_vmap_grad(rng):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from conftest import ON_GPU, assert_bitwise_equal, random_array, relative_error
+from conftest import (ON_GPU, assert_bitwise_equal, assert_row_windows_match,
+                      assert_same_gradients, random_array, relative_error)
 from pallas_kernels import det_matmul_mgpu
 from rlk_jax import _det_gemm
 
@@ -57,21 +58,12 @@ def test_model_shapes_rows_invariant_and_sm90_bits(k, n, rng):
   full = gemm(a, w)
   assert_bitwise_equal(full, rlk_jax.det_gemm(a, w, transpose_b=True,
                                               implementation="cuda_ffi"))
-  for m in (1, 7, 100, 1001):
-    start = int(rng.integers(0, 2048 - m + 1))
-    assert_bitwise_equal(gemm(a[start:start + m], w), full[start:start + m],
-                         f"K={k} N={n} M={m}")
+  assert_row_windows_match(gemm, a, w, full, (1, 7, 100, 1001), rng,
+                           f"K={k} N={n}")
 
 
 def test_backward_products_give_the_sm90_bits(rng):
-  a = random_array(rng, (1000, 4096), jnp.bfloat16)
-  b = random_array(rng, (4096, 1536), jnp.bfloat16)
-  g = random_array(rng, (1000, 1536), jnp.bfloat16)
-  vjp = lambda impl: jax.vjp(functools.partial(rlk_jax.det_gemm,
-                                               implementation=impl), a, b)[1](g)
-  (da, db), (c_da, c_db) = vjp("mosaic_gpu"), vjp("cuda_ffi")
-  assert_bitwise_equal(da, c_da, "dA")
-  assert_bitwise_equal(db, c_db, "dB")
+  assert_same_gradients(rng, 1000, 4096, 1536, "mosaic_gpu", "cuda_ffi")
 
 
 def test_unaligned_k_gives_pallas_bits(rng):
