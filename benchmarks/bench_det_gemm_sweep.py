@@ -108,8 +108,9 @@ TRITON_CONFIGS = flags.DEFINE_bool(
     "through jax-triton on the same tiles (det_gemm_triton_configs.csv, "
     "det_gemm_triton-<device>.json).")
 MOSAIC_CONFIGS = flags.DEFINE_bool(
-    "sweep_mosaic_configs", False, "Also time every Mosaic GPU config on "
-    "the products rlk_mosaic_gpu runs, as rows rlk_mosaic_gpu_<config>.")
+    "sweep_mosaic_gpu_configs", False, "The same for the Mosaic GPU kernel's "
+    "configs (det_gemm_mosaic_gpu_configs.csv, "
+    "det_gemm_mosaic_gpu-<device>.json).")
 BUDGET_S = flags.DEFINE_float(
     "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
     "no limit); the rows and tables so far are still written, so a device "
@@ -264,17 +265,11 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
     if f"rlk_{impl}" in impls and rlk_ready.get(impl) and m in pallas_ms:
       competitors[f"rlk_{impl}"] = functools.partial(
           harness.jax_batch, _rlk_jax(impl, ta, tb), pairs)
-  if (MOSAIC_CONFIGS.value and "rlk_mosaic_gpu" in competitors):
-    from pallas_kernels import det_matmul_mgpu
-    for name, config in det_matmul_mgpu.CONFIGS.items():
-      competitors[f"rlk_mosaic_gpu_{name}"] = functools.partial(
-          harness.jax_batch, functools.partial(
-              det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb,
-              out_dtype=jnp.bfloat16, config=config), pairs)
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
                                   iters=iters,
                                   repeats=3 if smoke else 5, warmup=1)
-  for backend, wanted in (("pallas", PALLAS_CONFIGS), ("triton", TRITON_CONFIGS)):
+  for backend, wanted in (("pallas", PALLAS_CONFIGS), ("triton", TRITON_CONFIGS),
+                          ("mosaic_gpu", MOSAIC_CONFIGS)):
     if wanted.value and on_gpu and rlk_ready.get(backend) and m in pallas_ms:
       _time_tile_configs(backend, case, pm, pn, pk, ta, tb, pairs, iters)
   del pairs, x_sets, y_sets, competitors
@@ -325,22 +320,34 @@ def _recipe_rows(recipe_products, rows) -> list[Row]:
 _TILE_TIMES: dict[str, dict[str, dict]] = {}
 
 
+def _tile_configs(backend) -> dict:
+  """{name: config} of a tiled kernel: Pallas's vocabulary (the Triton
+  kernel takes the same tiles) or the Mosaic GPU kernel's own."""
+  if backend == "mosaic_gpu":
+    from pallas_kernels import det_matmul_mgpu
+    return det_matmul_mgpu.CONFIGS
+  from pallas_kernels import det_matmul
+  return det_matmul.NAMED_CONFIGS
+
+
 def _tile_kernel(backend):
   if backend == "pallas":
     from pallas_kernels import det_matmul
     return det_matmul.matmul
+  if backend == "mosaic_gpu":
+    from pallas_kernels import det_matmul_mgpu
+    return functools.partial(det_matmul_mgpu.matmul, out_dtype=jnp.bfloat16)
   from triton_kernels import det_matmul
   return functools.partial(det_matmul.matmul, out_dtype=jnp.bfloat16)
 
 
 def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
-  """Every Pallas tile config (the Triton kernel takes the same vocabulary)
-  on one product, interleaved, with a check that their bits agree."""
-  from pallas_kernels import det_matmul
+  """Every tile config of `backend` on one product, interleaved, with a
+  check that their bits agree."""
   from rlk_jax import _gemm_tuning
   fns = {name: functools.partial(_tile_kernel(backend), transpose_a=ta,
                                  transpose_b=tb, config=cfg)
-         for name, cfg in det_matmul.NAMED_CONFIGS.items()}
+         for name, cfg in _tile_configs(backend).items()}
   outs = [jax.lax.bitcast_convert_type(f(*pairs[0]), jnp.uint16)
           for f in fns.values()]
   same = all(bool(jnp.array_equal(outs[0], o)) for o in outs[1:])
@@ -355,10 +362,9 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
 
 
 def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
-  from pallas_kernels import det_matmul
   from rlk_jax import _gemm_tuning
   device = harness.device_name()
-  order = tuple(det_matmul.NAMED_CONFIGS)
+  order = tuple(_tile_configs(backend))
   with open(os.path.join(out_dir, f"det_gemm_{backend}_configs.csv"), "w",
             newline="") as f:
     writer = csv.writer(f)

@@ -49,12 +49,16 @@ class MgpuConfig:
   """One compute warpgroup's tile (`tile_m` x `tile_n`); the two compute
   warpgroups split the CTA's tile along `split` ("m" or "n"). `stages`:
   TMA pipeline depth (lowered to fit shared memory); `snake`: the
-  persistent loop's tile-order band width (L2 reuse)."""
+  persistent loop's tile-order band width (L2 reuse); `in_flight`: wgmma
+  groups a compute warpgroup leaves running while it issues the next K
+  step's (their stage is released that many steps later). None of them
+  changes the order of an element's sum."""
   tile_m: int = 128
   tile_n: int = 128
   split: str = "n"
   stages: int = 4
   snake: int = 8
+  in_flight: int = 0
 
   @property
   def cta_m(self) -> int:
@@ -70,13 +74,16 @@ CONFIGS = {
     "256x128": MgpuConfig(128, 128, "m"),
     "128x128": MgpuConfig(128, 64, "n"),
     "64x256": MgpuConfig(64, 128, "n"),
+    # One wgmma group in flight per warpgroup, as CUTLASS's mainloop keeps.
+    "128x256_async": MgpuConfig(128, 128, "n", in_flight=1),
 }
 
 
 # Relative throughput of one CTA tile of each config when every SM is busy
-# (H100, 2026-11-23: llama3.1-8b products at M=4096, det_gemm_sweep).
+# (H100, 2026-11-23: llama3.1-8b products at M=4096, det_gemm_sweep); 0: not
+# measured yet, so the rule never picks it (a named config still runs).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
-               "64x256": 0.75}
+               "64x256": 0.75, "128x256_async": 0.0}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
@@ -85,6 +92,8 @@ def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
   Any config gives the same bits; ties go to the first in CONFIGS."""
   def cost(name):
     cfg = CONFIGS[name]
+    if not _EFFICIENCY[name]:
+      return float("inf")
     tiles = -(-m // cfg.cta_m) * -(-n // cfg.cta_n)
     return -(-tiles // num_sms) * cfg.cta_m * cfg.cta_n / _EFFICIENCY[name]
   return CONFIGS[min(CONFIGS, key=cost)]
@@ -120,7 +129,10 @@ def unavailable_reason(platform: str) -> str | None:
     _plgpu()
   except ImportError as e:
     return f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
-  cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  try:
+    cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  except RuntimeError as e:  # asked about "gpu" where jax has none
+    return f"no GPU device: {e}"
   if cc is None or not str(cc).startswith("9."):
     return f"needs a Hopper GPU (compute capability 9.x, wgmma), found {cc}"
   return None
@@ -149,7 +161,8 @@ def _stages(cfg: MgpuConfig, itemsize: int, out_itemsize: int,
             epi_m: int, epi_n: int) -> int:
   per_stage = (cfg.cta_m + cfg.cta_n) * BLOCK_K * itemsize
   epilogue = 2 * 2 * epi_m * epi_n * out_itemsize
-  return max(2, min(cfg.stages, (_SMEM_BYTES - epilogue - 4096) // per_stage))
+  fit = (_SMEM_BYTES - epilogue - 4096) // per_stage
+  return max(cfg.in_flight + 2, min(cfg.stages, fit))
 
 
 def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
@@ -171,11 +184,13 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
   a_spec = plgpu.BlockSpec(
       (BLOCK_K, cta_m) if transpose_a else (cta_m, BLOCK_K),
       (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
-      transforms=transforms, memory_space=plgpu.SMEM)
+      transforms=transforms, memory_space=plgpu.SMEM,
+      delay_release=cfg.in_flight)
   b_spec = plgpu.BlockSpec(
       (cta_n, BLOCK_K) if transpose_b else (BLOCK_K, cta_n),
       (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0)),
-      transforms=transforms, memory_space=plgpu.SMEM)
+      transforms=transforms, memory_space=plgpu.SMEM,
+      delay_release=cfg.in_flight)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -233,7 +248,9 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
         b_op = (b_smem.at[wg_cols, :].T if transpose_b
                 else b_smem.at[:, wg_cols])
         plgpu.wgmma(acc, a_op, b_op)
-        plgpu.wgmma_wait(0)  # in order, and the stage may be refilled
+        # wgmma groups complete in issue order; a stage is refilled only
+        # after the group reading it has completed (delay_release).
+        plgpu.wgmma_wait(cfg.in_flight)
         return acc
 
       a_view = a_gmem.at[:, rows] if transpose_a else a_gmem.at[rows, :]

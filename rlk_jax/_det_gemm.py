@@ -63,8 +63,13 @@ def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
 
 
 def _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):
+  m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                             a.dtype, out_dtype)[:3]
+  config = _gemm_tuning.choose_mosaic_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b)
   return det_matmul_mgpu.matmul(a, b, transpose_a=transpose_a,
-                                transpose_b=transpose_b, out_dtype=out_dtype)
+                                transpose_b=transpose_b, out_dtype=out_dtype,
+                                config=config)
 
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):

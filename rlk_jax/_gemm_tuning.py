@@ -196,7 +196,8 @@ def _log2(x: int) -> float:
 
 @functools.cache
 def _shipped(kind: str, device: str) -> Table:
-  """The table `kind` ("det_gemm_sm90", "det_gemm_pallas") shipped for
+  """The table `kind` ("det_gemm_sm90", "det_gemm_pallas",
+  "det_gemm_mosaic_gpu") shipped for
   `device`, empty when there is none or RLK_DET_GEMM_TUNED_TABLES=0 (the
   sweep re-measuring what a table would answer)."""
   if os.environ.get("RLK_DET_GEMM_TUNED_TABLES", "1") == "0":
@@ -305,6 +306,26 @@ def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
   if name in det_matmul.NAMED_CONFIGS:
     return det_matmul.NAMED_CONFIGS[name]
   return det_matmul.choose_config(m, n, dtype)
+
+
+def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
+                         transpose_b: bool, device: str | None = None,
+                         num_sms: int | None = None):
+  """The Mosaic GPU det_matmul config (an ``MgpuConfig``) for this product:
+  the shipped table's measurement for this shape at this M bucket, else at
+  the nearest M, else the kernel's waves rule. Every config gives the same
+  bits (device-tested); not tuned on first use, for the reason Pallas's
+  tiles are not (``--sweep_mosaic_gpu_configs`` measures them)."""
+  import jax
+  from pallas_kernels import det_matmul_mgpu
+  device = device or _device_name()
+  table = _shipped("det_gemm_mosaic_gpu", device)
+  key = pallas_key(m, n, k, transpose_a, transpose_b)
+  name = table.exact(key) or table.nearest(key)
+  if name in det_matmul_mgpu.CONFIGS:
+    return det_matmul_mgpu.CONFIGS[name]
+  return det_matmul_mgpu.choose_config(
+      m, n, num_sms or jax.devices()[0].core_count)
 
 
 def clear_memo() -> None:

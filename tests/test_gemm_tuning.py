@@ -205,14 +205,17 @@ def test_config_names_match_the_header_codes():
 
 
 def test_shipped_tables_name_real_configs():
-  from pallas_kernels import det_matmul
+  from pallas_kernels import det_matmul, det_matmul_mgpu
   paths = sorted(tuning.TABLE_DIR.glob("*.json"))
   assert any(p.name.startswith("det_gemm_sm90-nvidia-h100") for p in paths)
   for path in paths:
     table = json.loads(path.read_text())
     assert table["entries"], path
     sm90 = path.name.startswith("det_gemm_sm90-")
-    names = tuning.CANDIDATES if sm90 else tuple(det_matmul.NAMED_CONFIGS)
+    names = (tuning.CANDIDATES if sm90
+             else tuple(det_matmul_mgpu.CONFIGS)
+             if path.name.startswith("det_gemm_mosaic_gpu-")
+             else tuple(det_matmul.NAMED_CONFIGS))
     layout = r"[01]{3}" if sm90 else r"[01]{2}2"
     for key, config in table["entries"].items():
       assert re.fullmatch(layout + r" \d+ \d+ \d+", key), (path, key)
@@ -235,3 +238,18 @@ def test_pallas_choice_table_then_rule(fake_library, monkeypatch):
   # another shape, or f32 (one config): det_matmul's rule
   assert pick(4000, n=8192) is det_matmul.choose_config(4000, 8192, jnp.bfloat16)
   assert pick(1000, dtype=jnp.float32) is det_matmul.DEFAULT_CONFIG
+
+
+def test_mosaic_choice_table_then_rule(fake_library):
+  from pallas_kernels import det_matmul_mgpu
+  (tuning.TABLE_DIR / f"det_gemm_mosaic_gpu-{tuning.device_slug(DEVICE)}.json"
+   ).write_text(json.dumps({"entries": {"012 1024 6144 4096": "64x256"}}))
+  tuning.clear_memo()
+  pick = lambda m, n=6144: tuning.choose_mosaic_config(
+      m, n, 4096, transpose_a=False, transpose_b=True, device=DEVICE,
+      num_sms=132)
+  assert pick(1000) is det_matmul_mgpu.CONFIGS["64x256"]
+  assert pick(3000) is det_matmul_mgpu.CONFIGS["64x256"]  # nearest M
+  # another shape: the waves rule (one 128x256 wave of 128 tiles)
+  assert pick(1024, n=4096) is det_matmul_mgpu.choose_config(1024, 4096, 132)
+  assert pick(1024, n=4096) is det_matmul_mgpu.CONFIGS["128x256"]
