@@ -51,7 +51,8 @@ _state: dict = {}
 
 
 @functools.cache  # asked on every dispatch; the process's GPUs do not change
-def _sm90_reason() -> str | None:
+def sm90_reason() -> str | None:
+  """None on a Hopper (SM90) GPU, else why not."""
   import jax
   try:
     gpus = jax.devices("gpu")
@@ -129,7 +130,7 @@ def unavailable_reason(platform: str) -> str | None:
   """None when the SM90 det_gemm can run on `platform`, else why not."""
   if platform != "gpu":
     return f"needs a CUDA GPU (platform is {platform!r})"
-  reason = _sm90_reason()
+  reason = sm90_reason()
   if reason is not None:
     return reason
   return _load()[1]

@@ -72,6 +72,12 @@ def _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):
                                 config=config)
 
 
+def _mosaic_gpu_unavailable(platform):
+  # wgmma: Hopper only, the SM90 kernels' own device check.
+  return (det_matmul_mgpu.unavailable_reason(platform)
+          or cuda_ffi.sm90_reason())
+
+
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
   # The kernel config is a speed choice (every config gives the same bits),
   # made when the call is traced: measured on first use, then cached.
@@ -113,7 +119,7 @@ TABLE = _dispatch.register_reference_and_pallas(
         "the same tiled K-ordered kernel as a @triton.jit function, launched "
         "through jax-triton (and natively from torch); CUDA GPUs"),
         _dispatch.Implementation(
-        "mosaic_gpu", _mosaic_gpu_matmul, det_matmul_mgpu.unavailable_reason,
+        "mosaic_gpu", _mosaic_gpu_matmul, _mosaic_gpu_unavailable,
         "Pallas on Mosaic GPU: TMA, wgmma, two compute warpgroups and a "
         "persistent grid, K in 64-wide steps in order (Hopper; bf16/f16)",
         operand_check=det_matmul_mgpu.operand_reason)],

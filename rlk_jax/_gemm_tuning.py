@@ -299,13 +299,9 @@ def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
   from pallas_kernels import det_matmul
   if np.dtype(dtype).itemsize != 2:
     return det_matmul.choose_config(m, n, dtype)  # f32: one config
-  device = device or _device_name()
-  key = pallas_key(m, n, k, transpose_a, transpose_b)
-  table = _shipped("det_gemm_pallas", device)
-  name = table.exact(key) or table.nearest(key)
-  if name in det_matmul.NAMED_CONFIGS:
-    return det_matmul.NAMED_CONFIGS[name]
-  return det_matmul.choose_config(m, n, dtype)
+  config = _measured_tile(det_matmul.NAMED_CONFIGS, "det_gemm_pallas",
+                          device, m, n, k, transpose_a, transpose_b)
+  return config or det_matmul.choose_config(m, n, dtype)
 
 
 def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
@@ -318,14 +314,19 @@ def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
   tiles are not (``--sweep_mosaic_gpu_configs`` measures them)."""
   import jax
   from pallas_kernels import det_matmul_mgpu
-  device = device or _device_name()
-  table = _shipped("det_gemm_mosaic_gpu", device)
-  key = pallas_key(m, n, k, transpose_a, transpose_b)
-  name = table.exact(key) or table.nearest(key)
-  if name in det_matmul_mgpu.CONFIGS:
-    return det_matmul_mgpu.CONFIGS[name]
-  return det_matmul_mgpu.choose_config(
+  config = _measured_tile(det_matmul_mgpu.CONFIGS, "det_gemm_mosaic_gpu",
+                          device, m, n, k, transpose_a, transpose_b)
+  return config or det_matmul_mgpu.choose_config(
       m, n, num_sms or jax.devices()[0].core_count)
+
+
+def _measured_tile(configs: dict, kind: str, device, m, n, k, transpose_a,
+                   transpose_b):
+  """The config a shipped `kind` table measured fastest for this shape at
+  this M bucket, else at the nearest M; None where it has none."""
+  table = _shipped(kind, device or _device_name())
+  key = pallas_key(m, n, k, transpose_a, transpose_b)
+  return configs.get(table.exact(key) or table.nearest(key))
 
 
 def clear_memo() -> None:
