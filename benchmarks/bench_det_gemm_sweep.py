@@ -111,6 +111,9 @@ MOSAIC_CONFIGS = flags.DEFINE_bool(
     "sweep_mosaic_gpu_configs", False, "The same for the Mosaic GPU kernel's "
     "configs (det_gemm_mosaic_gpu_configs.csv, "
     "det_gemm_mosaic_gpu-<device>.json).")
+TILE_CONFIG_NAMES = flags.DEFINE_list(
+    "sweep_tile_config_names", None, "Time only these configs under "
+    "--sweep_*_configs (default: every config of the kernel).")
 BUDGET_S = flags.DEFINE_float(
     "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
     "no limit); the rows and tables so far are still written, so a device "
@@ -325,9 +328,12 @@ def _tile_configs(backend) -> dict:
   kernel takes the same tiles) or the Mosaic GPU kernel's own."""
   if backend == "mosaic_gpu":
     from pallas_kernels import det_matmul_mgpu
-    return det_matmul_mgpu.CONFIGS
-  from pallas_kernels import det_matmul
-  return det_matmul.NAMED_CONFIGS
+    configs = det_matmul_mgpu.CONFIGS
+  else:
+    from pallas_kernels import det_matmul
+    configs = det_matmul.NAMED_CONFIGS
+  names = TILE_CONFIG_NAMES.value
+  return {n: c for n, c in configs.items() if not names or n in names}
 
 
 def _tile_kernel(backend):

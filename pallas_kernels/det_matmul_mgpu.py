@@ -51,14 +51,25 @@ class MgpuConfig:
   TMA pipeline depth (lowered to fit shared memory); `snake`: the
   persistent loop's tile-order band width (L2 reuse); `in_flight`: wgmma
   groups a compute warpgroup leaves running while it issues the next K
-  step's (their stage is released that many steps later). None of them
-  changes the order of an element's sum."""
+  step's (their stage is released that many steps later). `cluster`:
+  None, or "m"/"n": two CTAs side by side along that dimension share the
+  other operand's tile, each loading half of it and multicasting it (TMA
+  multicast halves that operand's L2 reads). `chain`: the memory
+  warpgroup runs one pipeline across all of a CTA's tiles, loading the
+  next tile's first K steps during this tile's last ones and its epilogue
+  (where a stage count divides K's steps and no wgmma is left in flight).
+  `epilogue_n`: the width of the epilogue's shared-memory sub-tiles at a
+  16-bit output (32 leaves room for a fourth 128x256 stage). None of them changes the order
+  of an element's sum."""
   tile_m: int = 128
   tile_n: int = 128
   split: str = "n"
   stages: int = 4
   snake: int = 8
   in_flight: int = 0
+  cluster: str | None = None
+  chain: bool = False
+  epilogue_n: int = 64
 
   @property
   def cta_m(self) -> int:
@@ -68,6 +79,18 @@ class MgpuConfig:
   def cta_n(self) -> int:
     return self.tile_n * (2 if self.split == "n" else 1)
 
+  @property
+  def cluster_m(self) -> int:
+    return self.cta_m * (2 if self.cluster == "m" else 1)
+
+  @property
+  def cluster_n(self) -> int:
+    return self.cta_n * (2 if self.cluster == "n" else 1)
+
+  @property
+  def ctas(self) -> int:
+    return 2 if self.cluster else 1
+
 
 CONFIGS = {
     "128x256": MgpuConfig(128, 128, "n"),
@@ -76,6 +99,19 @@ CONFIGS = {
     "64x256": MgpuConfig(64, 128, "n"),
     # One wgmma group in flight per warpgroup, as CUTLASS's mainloop keeps.
     "128x256_async": MgpuConfig(128, 128, "n", in_flight=1),
+    # A fourth stage (narrower epilogue sub-tiles), then one pipeline over
+    # all of a CTA's tiles, then 2-CTA clusters sharing B ("c2m") or A.
+    "128x256_s4": MgpuConfig(128, 128, "n", epilogue_n=32),
+    "128x256_chain": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True),
+    "128x256_c2m": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True,
+                              cluster="m"),
+    "128x256_c2n": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True,
+                              cluster="n"),
+    "256x128_chain": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True),
+    "256x128_c2m": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True,
+                              cluster="m"),
+    "256x128_c2n": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True,
+                              cluster="n"),
 }
 
 
@@ -83,7 +119,9 @@ CONFIGS = {
 # (H100, 2026-11-23: llama3.1-8b products at M=4096, det_gemm_sweep); 0: not
 # measured yet, so the rule never picks it (a named config still runs).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
-               "64x256": 0.75, "128x256_async": 0.0}
+               "64x256": 0.75, "128x256_async": 0.0, "128x256_s4": 0.0,
+               "128x256_chain": 0.0, "128x256_c2m": 0.0, "128x256_c2n": 0.0,
+               "256x128_chain": 0.0, "256x128_c2m": 0.0, "256x128_c2n": 0.0}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
@@ -94,8 +132,9 @@ def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
     cfg = CONFIGS[name]
     if not _EFFICIENCY[name]:
       return float("inf")
-    tiles = pl.cdiv(m, cfg.cta_m) * pl.cdiv(n, cfg.cta_n)
-    return pl.cdiv(tiles, num_sms) * cfg.cta_m * cfg.cta_n / _EFFICIENCY[name]
+    tiles = pl.cdiv(m, cfg.cluster_m) * pl.cdiv(n, cfg.cluster_n)
+    return (pl.cdiv(tiles, num_sms // cfg.ctas) * cfg.cluster_m
+            * cfg.cluster_n / _EFFICIENCY[name])
   return CONFIGS[min(CONFIGS, key=cost)]
 
 
@@ -153,48 +192,76 @@ def _swizzled(plgpu, itemsize: int):
 
 
 def _stages(cfg: MgpuConfig, itemsize: int, out_itemsize: int,
-            epi_m: int, epi_n: int) -> int:
+            epi_m: int, epi_n: int, k_iters: int) -> tuple[int, bool]:
+  """(pipeline depth, whether the pipeline chains across tiles). A chained
+  pipeline's depth must divide K's steps (its slots then line up from one
+  tile to the next); without such a depth of at least 2 it does not chain."""
   per_stage = (cfg.cta_m + cfg.cta_n) * BLOCK_K * itemsize
   epilogue = 2 * 2 * epi_m * epi_n * out_itemsize
   fit = (_SMEM_BYTES - epilogue - 4096) // per_stage
-  return max(cfg.in_flight + 2, min(cfg.stages, fit))
+  stages = max(cfg.in_flight + 2, min(cfg.stages, fit))
+  if cfg.chain and not cfg.in_flight:
+    if k_iters <= stages:
+      return k_iters, True  # the pipeline shrinks to K's steps anyway
+    for depth in range(stages, 1, -1):
+      if k_iters % depth == 0:
+        return depth, True
+  return stages, False
+
+
+def _whole_clusters(cfg: MgpuConfig, m: int, n: int) -> MgpuConfig:
+  """`cfg`, without its cluster where the CTA tiles along the cluster's
+  dimension are odd in number: a partner CTA wholly past M or N would load
+  nothing but zero fills while its partner waits on its half of the shared
+  tile (Mosaic GPU's interpreter deadlocks there). Same bits either way."""
+  if cfg.cluster == "m" and pl.cdiv(m, cfg.cta_m) % 2:
+    return dataclasses.replace(cfg, cluster=None)
+  if cfg.cluster == "n" and pl.cdiv(n, cfg.cta_n) % 2:
+    return dataclasses.replace(cfg, cluster=None)
+  return cfg
 
 
 def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
             cfg: MgpuConfig):
   plgpu = _plgpu()
   tm, tn, cta_m, cta_n = cfg.tile_m, cfg.tile_n, cfg.cta_m, cfg.cta_n
-  m_iters, n_iters = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n)
+  m_iters, n_iters = pl.cdiv(m, cfg.cluster_m), pl.cdiv(n, cfg.cluster_n)
   k_iters = pl.cdiv(k, BLOCK_K)
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   out_dtype = out_gmem.dtype
-  epi_m, epi_n = min(_EPILOGUE, tm), min(_EPILOGUE, tn)
+  # epilogue_n counts 16-bit columns: a 32-bit output's sub-tiles take half
+  # as many, so the epilogue's shared memory does not grow with it.
+  epi_m = min(_EPILOGUE, tm)
+  epi_n = min(cfg.epilogue_n * 2 // jnp.dtype(out_dtype).itemsize, tn)
   slots = min(2, (tm * tn) // (epi_m * epi_n))
+  stages, chain = _stages(cfg, itemsize, jnp.dtype(out_dtype).itemsize,
+                          epi_m, epi_n, k_iters)
   out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
   out_transforms = (
       plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
       plgpu.SwizzleTransform(out_swizzle))
   transforms = _swizzled(plgpu, itemsize)
+  # The two CTAs of a cluster along N read the same A tile (along M, the
+  # same B tile): each loads half of it and multicasts it to both.
+  shares_a = ("cluster",) if cfg.cluster == "n" else ()
+  shares_b = ("cluster",) if cfg.cluster == "m" else ()
   # A tile is [cta_m, 64] or, stored transposed, [64, cta_m]; B's likewise.
   a_spec = plgpu.BlockSpec(
       (BLOCK_K, cta_m) if transpose_a else (cta_m, BLOCK_K),
       (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
       transforms=transforms, memory_space=plgpu.SMEM,
-      delay_release=cfg.in_flight)
+      delay_release=cfg.in_flight, collective_axes=shares_a)
   b_spec = plgpu.BlockSpec(
       (cta_n, BLOCK_K) if transpose_b else (BLOCK_K, cta_n),
       (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0)),
       transforms=transforms, memory_space=plgpu.SMEM,
-      delay_release=cfg.in_flight)
+      delay_release=cfg.in_flight, collective_axes=shares_b)
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec],
-        wg_axis="wg", num_compute_wgs=2,
-        max_concurrent_steps=_stages(cfg, itemsize,
-                                     jnp.dtype(out_dtype).itemsize,
-                                     epi_m, epi_n),
-        compute_context=compute_context)
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+        compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
 
@@ -206,11 +273,17 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
       collective_axes="wg")
   def _scope(allocations, out_smem):
     wg = lax.axis_index("wg")
+    cta = lax.axis_index("cluster") if cfg.cluster else 0
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tiles(loop):
       (tile,) = loop.index
       mi, ni = plgpu.planar_snake(tile, (m_iters, n_iters), 1, cfg.snake)
+      if cfg.cluster == "m":
+        mi = mi * 2 + cta
+      elif cfg.cluster == "n":
+        ni = ni * 2 + cta
+      # Both CTAs of a cluster hold rows and columns (_whole_clusters).
       rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
       wg_rows = pl.ds(wg * tm, tm) if cfg.split == "m" else slice(None)
       wg_cols = pl.ds(wg * tn, tn) if cfg.split == "n" else slice(None)
@@ -250,7 +323,23 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
 
       a_view = a_gmem.at[:, rows] if transpose_a else a_gmem.at[rows, :]
       b_view = b_gmem.at[cols, :] if transpose_b else b_gmem.at[:, cols]
-      pipeline(k_step, compute)(a_view, b_view, allocations=allocations)
+
+      def run(state=None):
+        pipeline(k_step, compute, state)(a_view, b_view,
+                                         allocations=allocations)
+
+      if not chain:
+        run()
+        return
+      # One pipeline over this CTA's tiles: the first tile fills it, the
+      # last drains it; a CTA with one tile runs a whole pipeline.
+      state = plgpu.PipelinePipeline
+      first, last = loop.local_index == 0, (
+          loop.local_index == loop.num_local_steps - 1)
+      lax.cond(first & last, run,
+               lambda: run(jnp.where(first, int(state.START),
+                                     jnp.where(last, int(state.STOP),
+                                               int(state.STEADY)))))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -282,14 +371,16 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
   b = _zero_padded(b, (np_, kp) if transpose_b else (kp, np_))
   if num_sms is None:
     num_sms = 4 if interpret else jax.devices()[0].core_count
-  cfg = config or choose_config(m, n, num_sms)
-  tiles = pl.cdiv(mp, cfg.cta_m) * pl.cdiv(np_, cfg.cta_n)
+  cfg = _whole_clusters(config or choose_config(m, n, num_sms), mp, np_)
+  tiles = pl.cdiv(mp, cfg.cluster_m) * pl.cdiv(np_, cfg.cluster_n)
   params = {"interpret": _interpreter(plgpu)} if interpret else {}
+  if cfg.cluster:
+    params.update(cluster=(2,), cluster_names=("cluster",))
   out = plgpu.kernel(
       functools.partial(_kernel, m=mp, n=np_, k=kp, transpose_a=transpose_a,
                         transpose_b=transpose_b, cfg=cfg),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-      grid=(min(num_sms, tiles),), grid_names=("sm",),
+      grid=(max(1, min(num_sms // cfg.ctas, tiles)),), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

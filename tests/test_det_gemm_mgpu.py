@@ -42,6 +42,41 @@ def test_every_config_and_layout_lowers_for_cuda(config):
     assert "mosaic_gpu" in text, (config, ta, tb, out)
 
 
+@pytest.mark.parametrize("config", [name for name, cfg in
+                                    det_matmul_mgpu.CONFIGS.items()
+                                    if cfg.chain])
+def test_chained_configs_lower_with_the_chained_pipeline(config):
+  # K=1000 is 16 K steps: a depth that divides them exists, so the pipeline
+  # runs across tiles (776 above is 13 steps: the unchained fallback).
+  cfg = det_matmul_mgpu.CONFIGS[config]
+  assert det_matmul_mgpu._stages(cfg, 2, 2, 64, 32, 16) == (4, True)
+  m, n, k = 1001, 4104, 1000
+  for (ta, tb), out in itertools.product(LAYOUTS, (jnp.bfloat16, jnp.float32)):
+    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
+    f = jax.jit(functools.partial(
+        det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb, out_dtype=out,
+        config=cfg, num_sms=132))
+    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, (config, ta, tb, out)
+
+
+def test_pipeline_depth_fits_shared_memory_and_divides_chained_k_steps():
+  stages = det_matmul_mgpu._stages
+  configs = det_matmul_mgpu.CONFIGS
+  # 128x256 stages are 48 KiB: three fit beside a 64x64 epilogue, four
+  # beside a 64x32 one.
+  assert stages(configs["128x256"], 2, 2, 64, 64, 64) == (3, False)
+  assert stages(configs["128x256_s4"], 2, 2, 64, 32, 64) == (4, False)
+  chained = configs["128x256_chain"]
+  for k_iters, want in ((64, (4, True)), (56, (4, True)), (18, (3, True)),
+                        (26, (2, True)), (13, (4, False)), (3, (3, True)),
+                        (1, (1, True))):
+    assert stages(chained, 2, 2, 64, 32, k_iters) == want, k_iters
+  # Something in flight keeps a stage back and never chains.
+  assert stages(configs["128x256_async"], 2, 2, 64, 64, 64) == (3, False)
+
+
 @pytest.mark.skipif(not INTERPRETER, reason=(
     "Mosaic GPU's interpreter before jax 0.11 cannot run this kernel "
     "(transposed refs, TMA zero fill, warp specialization); the device "
@@ -59,6 +94,29 @@ def test_interpreted_products_are_accurate_at_ragged_shapes(ta, tb, rng):
     ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
     assert got.shape == (m, n) and got.dtype == out
     assert relative_error(got, ref) < (1e-6 if out == jnp.float32 else 5e-3)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason=(
+    "Mosaic GPU's interpreter before jax 0.11 cannot run this kernel "
+    "(transposed refs, TMA zero fill, warp specialization); the device "
+    "tests run it on hardware"))
+@pytest.mark.parametrize("config,ta,tb", [("128x256_chain", False, True),
+                                          ("256x128_c2m", False, True),
+                                          ("128x256_c2n", True, True)])
+def test_interpreted_chained_and_clustered_tiles_are_accurate(config, ta, tb,
+                                                              rng):
+  # 300x520 in 128x256 CTA tiles is 3x3 (256x128: 2x5); K=1000 is 16 K
+  # steps, chained at depth 4. Two SMs: one runs a first, middle(s) and a
+  # last tile; a cluster's second CTA lies past M or N.
+  m, n, k = 300, 520, 1000
+  a, b = _operands(rng, m, n, k, ta, tb)
+  got = det_matmul_mgpu.matmul(a, b, transpose_a=ta, transpose_b=tb,
+                               out_dtype=jnp.float32, num_sms=2,
+                               interpret=True,
+                               config=det_matmul_mgpu.CONFIGS[config])
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
+  assert relative_error(got, ref) < 1e-6
 
 
 def test_operand_reasons_and_cpu_availability():

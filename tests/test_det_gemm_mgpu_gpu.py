@@ -27,10 +27,10 @@ pytestmark = [
 LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]
 
 
-def mosaic(config, ta, tb, out):
+def mosaic(config, ta, tb, out, num_sms=None):
   return jax.jit(functools.partial(
       det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb, out_dtype=out,
-      config=det_matmul_mgpu.CONFIGS[config]))
+      config=det_matmul_mgpu.CONFIGS[config], num_sms=num_sms))
 
 
 @pytest.mark.parametrize("ta,tb", LAYOUTS)
@@ -46,6 +46,27 @@ def test_every_layout_output_and_config_gives_the_sm90_bits(ta, tb, out, rng):
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
   assert relative_error(got, ref) < (1e-5 if out == jnp.float32 else 1e-2)
+
+
+CHAINED = [name for name, cfg in det_matmul_mgpu.CONFIGS.items()
+           if cfg.chain or cfg.cluster]
+
+
+@pytest.mark.parametrize("ta,tb", LAYOUTS)
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_chained_and_clustered_configs_give_the_sm90_bits(ta, tb, out, rng):
+  # K=1000: 16 K steps, so the pipeline chains across tiles; 5 SMs (2
+  # clusters) over 8x4 (4x8) CTA tiles, so each runs a first, middle and
+  # last tile; 1000 rows and columns make whole clusters of ragged tiles
+  # (the every-config test above runs one tile per SM, and drops the
+  # clusters where M=264 leaves a partner CTA without rows).
+  m, k, n = 1000, 1000, 1000
+  a = random_array(rng, (k, m) if ta else (m, k), jnp.bfloat16)
+  b = random_array(rng, (n, k) if tb else (k, n), jnp.bfloat16)
+  want = _det_gemm._matmul("cuda_ffi", ta, tb, jnp.dtype(out), a, b)
+  for config in CHAINED:
+    got = mosaic(config, ta, tb, out, num_sms=5)(a, b)
+    assert_bitwise_equal(got, want, f"ta={ta} tb={tb} {config}")
 
 
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (3584, 18944),
