@@ -111,6 +111,12 @@ MOSAIC_CONFIGS = flags.DEFINE_bool(
     "sweep_mosaic_gpu_configs", False, "The same for the Mosaic GPU kernel's "
     "configs (det_gemm_mosaic_gpu_configs.csv, "
     "det_gemm_mosaic_gpu-<device>.json).")
+PROJECTIONS_FLAG = flags.DEFINE_list(
+    "sweep_projections", None, "Projections to run (default all: qkv, o, "
+    "gate_up, down, lm_head).")
+LAYOUTS_FLAG = flags.DEFINE_list(
+    "sweep_layouts", None, f"Layouts to run (default all: "
+    f"{', '.join(LAYOUTS)}).")
 TILE_CONFIG_NAMES = flags.DEFINE_list(
     "sweep_tile_config_names", None, "Time only these configs under "
     "--sweep_*_configs (default: every config of the kernel).")
@@ -207,12 +213,14 @@ def run(smoke: bool) -> list[Row]:
   for family, dims in families.items():
     recipe_products = []
     for proj, k, n in products(family, dims):
+      if PROJECTIONS_FLAG.value and proj not in PROJECTIONS_FLAG.value:
+        continue
       for m in ms:
         if (2 * max(m * k, k * n, m * n) > MAX_GIB.value * 2**30
             or time.monotonic() > deadline):
           skipped += 3
           continue
-        for layout in LAYOUTS:
+        for layout in LAYOUTS_FLAG.value or LAYOUTS:
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
           recipe_products.append(

@@ -99,6 +99,12 @@ CONFIGS = {
     "64x256": MgpuConfig(64, 128, "n"),
     # One wgmma group in flight per warpgroup, as CUTLASS's mainloop keeps.
     "128x256_async": MgpuConfig(128, 128, "n", in_flight=1),
+    # 192-wide warpgroup tiles: whole waves where 128/256-wide tiles leave
+    # the last one part-empty (M=1024, N=6144: 128 CTA tiles of 256x192
+    # on 132 SMs, against 192 of 128x256).
+    "256x192": MgpuConfig(128, 192, "m"),
+    "128x384": MgpuConfig(128, 192, "n"),
+    "128x192": MgpuConfig(64, 192, "m"),
     # A fourth stage (narrower epilogue sub-tiles), then one pipeline over
     # all of a CTA's tiles, then 2-CTA clusters sharing B ("c2m") or A.
     "128x256_s4": MgpuConfig(128, 128, "n", epilogue_n=32),
@@ -119,7 +125,8 @@ CONFIGS = {
 # (H100, 2026-11-23: llama3.1-8b products at M=4096, det_gemm_sweep); 0: not
 # measured yet, so the rule never picks it (a named config still runs).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
-               "64x256": 0.75, "128x256_async": 0.0, "128x256_s4": 0.0,
+               "64x256": 0.75, "128x256_async": 0.0,
+               "256x192": 0.0, "128x384": 0.0, "128x192": 0.0, "128x256_s4": 0.0,
                "128x256_chain": 0.0, "128x256_c2m": 0.0, "128x256_c2n": 0.0,
                "256x128_chain": 0.0, "256x128_c2m": 0.0, "256x128_c2n": 0.0}
 
