@@ -49,24 +49,21 @@ class MgpuConfig:
   """One compute warpgroup's tile (`tile_m` x `tile_n`); the two compute
   warpgroups split the CTA's tile along `split` ("m" or "n"). `stages`:
   TMA pipeline depth (lowered to fit shared memory); `snake`: the
-  persistent loop's tile-order band width (L2 reuse); `in_flight`: wgmma
-  groups a compute warpgroup leaves running while it issues the next K
-  step's (their stage is released that many steps later). `cluster`:
-  None, or "m"/"n": two CTAs side by side along that dimension share the
-  other operand's tile, each loading half of it and multicasting it (TMA
+  persistent loop's tile-order band width (L2 reuse). `cluster`: None, or
+  "m"/"n": two CTAs side by side along that dimension share the other
+  operand's tile, each loading half of it and multicasting it (TMA
   multicast halves that operand's L2 reads). `chain`: the memory
   warpgroup runs one pipeline across all of a CTA's tiles, loading the
   next tile's first K steps during this tile's last ones and its epilogue
-  (where a stage count divides K's steps and no wgmma is left in flight).
-  `epilogue_n`: the width of the epilogue's shared-memory sub-tiles at a
-  16-bit output (32 leaves room for a fourth 128x256 stage). None of them changes the order
-  of an element's sum."""
+  (where a stage count divides K's steps). `epilogue_n`: the width of the
+  epilogue's shared-memory sub-tiles at a 16-bit output (32 leaves room
+  for a fourth 128x256 stage). None of them changes the order of an
+  element's sum."""
   tile_m: int = 128
   tile_n: int = 128
   split: str = "n"
   stages: int = 4
   snake: int = 8
-  in_flight: int = 0
   cluster: str | None = None
   chain: bool = False
   epilogue_n: int = 64
@@ -97,38 +94,32 @@ CONFIGS = {
     "256x128": MgpuConfig(128, 128, "m"),
     "128x128": MgpuConfig(128, 64, "n"),
     "64x256": MgpuConfig(64, 128, "n"),
-    # One wgmma group in flight per warpgroup, as CUTLASS's mainloop keeps.
-    "128x256_async": MgpuConfig(128, 128, "n", in_flight=1),
-    # 192-wide warpgroup tiles: whole waves where 128/256-wide tiles leave
-    # the last one part-empty (M=1024, N=6144: 128 CTA tiles of 256x192
-    # on 132 SMs, against 192 of 128x256).
+    # 192-wide warpgroup tiles: whole waves where 128- and 256-wide tiles
+    # leave the last one part-empty (M=1024, N=6144: 128 CTA tiles of
+    # 256x192 on 132 SMs, against 192 of 128x256).
     "256x192": MgpuConfig(128, 192, "m"),
-    "128x384": MgpuConfig(128, 192, "n"),
     "128x192": MgpuConfig(64, 192, "m"),
-    # A fourth stage (narrower epilogue sub-tiles), then one pipeline over
-    # all of a CTA's tiles, then 2-CTA clusters sharing B ("c2m") or A.
-    "128x256_s4": MgpuConfig(128, 128, "n", epilogue_n=32),
-    "128x256_chain": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True),
+    # 2-CTA clusters along M sharing B through TMA multicast, with a fourth
+    # stage where 64x32 epilogue sub-tiles leave room, chained across tiles
+    # (256x192's 56 KiB stages fit three: no depth divides most K's steps).
     "128x256_c2m": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True,
                               cluster="m"),
-    "128x256_c2n": MgpuConfig(128, 128, "n", epilogue_n=32, chain=True,
-                              cluster="n"),
-    "256x128_chain": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True),
     "256x128_c2m": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True,
                               cluster="m"),
-    "256x128_c2n": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True,
-                              cluster="n"),
+    "256x192_c2m": MgpuConfig(128, 192, "m", epilogue_n=32, cluster="m"),
 }
 
 
 # Relative throughput of one CTA tile of each config when every SM is busy
-# (H100, 2026-11-23: llama3.1-8b products at M=4096, det_gemm_sweep); 0: not
-# measured yet, so the rule never picks it (a named config still runs).
+# (H100, 2026-11-23/24: llama3.1-8b and qwen2.5-7b products at M=4096,
+# det_gemm_sweep --sweep_mosaic_gpu_configs, results under
+# benchmarks/results/); 0: not measured yet, so the rule never picks it (a
+# named config still runs). Alone, a fourth stage, a chained pipeline and
+# one wgmma group in flight measured within 2% of 128x256 or slower
+# (det_gemm_mosaic_variants-fcf59d7).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
-               "64x256": 0.75, "128x256_async": 0.0,
-               "256x192": 0.0, "128x384": 0.0, "128x192": 0.0, "128x256_s4": 0.0,
-               "128x256_chain": 0.0, "128x256_c2m": 0.0, "128x256_c2n": 0.0,
-               "256x128_chain": 0.0, "256x128_c2m": 0.0, "256x128_c2n": 0.0}
+               "64x256": 0.75, "256x192": 1.0, "128x192": 0.93,
+               "128x256_c2m": 1.02, "256x128_c2m": 0.0, "256x192_c2m": 0.0}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
@@ -139,9 +130,10 @@ def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
     cfg = CONFIGS[name]
     if not _EFFICIENCY[name]:
       return float("inf")
+    # A wave runs one CTA tile per SM (a cluster's tile on two).
     tiles = pl.cdiv(m, cfg.cluster_m) * pl.cdiv(n, cfg.cluster_n)
-    return (pl.cdiv(tiles, num_sms // cfg.ctas) * cfg.cluster_m
-            * cfg.cluster_n / _EFFICIENCY[name])
+    return (pl.cdiv(tiles, num_sms // cfg.ctas) * cfg.cta_m * cfg.cta_n
+            / _EFFICIENCY[name])
   return CONFIGS[min(CONFIGS, key=cost)]
 
 
@@ -206,8 +198,8 @@ def _stages(cfg: MgpuConfig, itemsize: int, out_itemsize: int,
   per_stage = (cfg.cta_m + cfg.cta_n) * BLOCK_K * itemsize
   epilogue = 2 * 2 * epi_m * epi_n * out_itemsize
   fit = (_SMEM_BYTES - epilogue - 4096) // per_stage
-  stages = max(cfg.in_flight + 2, min(cfg.stages, fit))
-  if cfg.chain and not cfg.in_flight:
+  stages = max(2, min(cfg.stages, fit))
+  if cfg.chain:
     if k_iters <= stages:
       return k_iters, True  # the pipeline shrinks to K's steps anyway
     for depth in range(stages, 1, -1):
@@ -257,12 +249,12 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
       (BLOCK_K, cta_m) if transpose_a else (cta_m, BLOCK_K),
       (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
       transforms=transforms, memory_space=plgpu.SMEM,
-      delay_release=cfg.in_flight, collective_axes=shares_a)
+      collective_axes=shares_a)
   b_spec = plgpu.BlockSpec(
       (cta_n, BLOCK_K) if transpose_b else (BLOCK_K, cta_n),
       (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0)),
       transforms=transforms, memory_space=plgpu.SMEM,
-      delay_release=cfg.in_flight, collective_axes=shares_b)
+      collective_axes=shares_b)
 
   def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -323,9 +315,8 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
         b_op = (b_smem.at[wg_cols, :].T if transpose_b
                 else b_smem.at[:, wg_cols])
         plgpu.wgmma(acc, a_op, b_op)
-        # wgmma groups complete in issue order; a stage is refilled only
-        # after the group reading it has completed (delay_release).
-        plgpu.wgmma_wait(cfg.in_flight)
+        # The stage is released when this returns: its wgmma must be done.
+        plgpu.wgmma_wait(0)
         return acc
 
       a_view = a_gmem.at[:, rows] if transpose_a else a_gmem.at[rows, :]

@@ -62,19 +62,17 @@ def test_chained_configs_lower_with_the_chained_pipeline(config):
 
 
 def test_pipeline_depth_fits_shared_memory_and_divides_chained_k_steps():
-  stages = det_matmul_mgpu._stages
-  configs = det_matmul_mgpu.CONFIGS
+  stages, config = det_matmul_mgpu._stages, det_matmul_mgpu.MgpuConfig
   # 128x256 stages are 48 KiB: three fit beside a 64x64 epilogue, four
   # beside a 64x32 one.
-  assert stages(configs["128x256"], 2, 2, 64, 64, 64) == (3, False)
-  assert stages(configs["128x256_s4"], 2, 2, 64, 32, 64) == (4, False)
-  chained = configs["128x256_chain"]
+  assert stages(config(128, 128, "n"), 2, 2, 64, 64, 64) == (3, False)
+  assert stages(config(128, 128, "n", epilogue_n=32), 2, 2, 64, 32,
+                64) == (4, False)
+  chained = config(128, 128, "n", epilogue_n=32, chain=True)
   for k_iters, want in ((64, (4, True)), (56, (4, True)), (18, (3, True)),
                         (26, (2, True)), (13, (4, False)), (3, (3, True)),
                         (1, (1, True))):
     assert stages(chained, 2, 2, 64, 32, k_iters) == want, k_iters
-  # Something in flight keeps a stage back and never chains.
-  assert stages(configs["128x256_async"], 2, 2, 64, 64, 64) == (3, False)
 
 
 @pytest.mark.skipif(not INTERPRETER, reason=(
@@ -100,9 +98,11 @@ def test_interpreted_products_are_accurate_at_ragged_shapes(ta, tb, rng):
     "Mosaic GPU's interpreter before jax 0.11 cannot run this kernel "
     "(transposed refs, TMA zero fill, warp specialization); the device "
     "tests run it on hardware"))
-@pytest.mark.parametrize("config,ta,tb", [("128x256_chain", False, True),
-                                          ("256x128_c2m", False, True),
-                                          ("128x256_c2n", True, True)])
+@pytest.mark.parametrize("config,ta,tb", [
+    (det_matmul_mgpu.MgpuConfig(128, 128, "n", chain=True), False, True),
+    (det_matmul_mgpu.CONFIGS["256x128_c2m"], False, True),
+    (det_matmul_mgpu.MgpuConfig(128, 128, "n", chain=True, cluster="n"),
+     True, True)], ids=["chain", "256x128_c2m", "chain_c2n"])
 def test_interpreted_chained_and_clustered_tiles_are_accurate(config, ta, tb,
                                                               rng):
   # 300x520 in 128x256 CTA tiles is 3x3 (256x128: 2x5); K=1000 is 16 K
@@ -112,8 +112,7 @@ def test_interpreted_chained_and_clustered_tiles_are_accurate(config, ta, tb,
   a, b = _operands(rng, m, n, k, ta, tb)
   got = det_matmul_mgpu.matmul(a, b, transpose_a=ta, transpose_b=tb,
                                out_dtype=jnp.float32, num_sms=2,
-                               interpret=True,
-                               config=det_matmul_mgpu.CONFIGS[config])
+                               interpret=True, config=config)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
   assert relative_error(got, ref) < 1e-6

@@ -250,6 +250,11 @@ def test_mosaic_choice_table_then_rule(fake_library):
       num_sms=132)
   assert pick(1000) is det_matmul_mgpu.CONFIGS["64x256"]
   assert pick(3000) is det_matmul_mgpu.CONFIGS["64x256"]  # nearest M
-  # another shape: the waves rule (one 128x256 wave of 128 tiles)
+  # another shape: the waves rule (one wave of 64 clusters of two 128x256
+  # tiles; 6144 columns: one wave of 128 256x192 tiles, not two of 128x256)
   assert pick(1024, n=4096) is det_matmul_mgpu.choose_config(1024, 4096, 132)
-  assert pick(1024, n=4096) is det_matmul_mgpu.CONFIGS["128x256"]
+  assert pick(1024, n=4096) is det_matmul_mgpu.CONFIGS["128x256_c2m"]
+  tuning.clear_memo()
+  (tuning.TABLE_DIR / f"det_gemm_mosaic_gpu-{tuning.device_slug(DEVICE)}.json"
+   ).write_text(json.dumps({"entries": {}}))
+  assert pick(1024) is det_matmul_mgpu.CONFIGS["256x192"]
