@@ -111,15 +111,15 @@ CONFIGS = {
 
 
 # Relative throughput of one CTA tile of each config when every SM is busy
-# (H100, 2026-11-23/24: llama3.1-8b and qwen2.5-7b products at M=4096,
-# det_gemm_sweep --sweep_mosaic_gpu_configs, results under
-# benchmarks/results/); 0: not measured yet, so the rule never picks it (a
-# named config still runs). Alone, a fourth stage, a chained pipeline and
-# one wgmma group in flight measured within 2% of 128x256 or slower
-# (det_gemm_mosaic_variants-fcf59d7).
+# (H100, 2026-11-23/24: geomeans over llama3.1-8b's qkv, gate_up and down
+# at M=4096, forward, dA and dB, det_gemm_sweep --sweep_mosaic_gpu_configs;
+# records det_gemm_mosaic_configs-e4fbcd4/ and det_gemm_mosaic_tiles-312929d/
+# under benchmarks/results/). Alone, a fourth stage, a chained pipeline or
+# one wgmma group in flight measured no faster than 128x256
+# (det_gemm_mosaic_variants-fcf59d7/).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
-               "64x256": 0.75, "256x192": 1.0, "128x192": 0.93,
-               "128x256_c2m": 1.02, "256x128_c2m": 0.0, "256x192_c2m": 0.0}
+               "64x256": 0.75, "256x192": 0.98, "128x192": 0.93,
+               "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
