@@ -28,29 +28,10 @@ def _operands(rng, m, n, k, ta, tb, dtype=jnp.bfloat16):
   return a, b
 
 
-@pytest.mark.parametrize("config", sorted(det_matmul_mgpu.CONFIGS))
-def test_every_config_and_layout_lowers_for_cuda(config):
-  # 1001 rows, 776 / 4104 elements per row: none a whole TMA tile.
-  m, n, k = 1001, 4104, 776
-  for (ta, tb), out in itertools.product(LAYOUTS, (jnp.bfloat16, jnp.float32)):
-    a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
-    b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
-    f = jax.jit(functools.partial(
-        det_matmul_mgpu.matmul, transpose_a=ta, transpose_b=tb, out_dtype=out,
-        config=det_matmul_mgpu.CONFIGS[config], num_sms=132))
-    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text, (config, ta, tb, out)
-
-
-@pytest.mark.parametrize("config", [name for name, cfg in
-                                    det_matmul_mgpu.CONFIGS.items()
-                                    if cfg.chain])
-def test_chained_configs_lower_with_the_chained_pipeline(config):
-  # K=1000 is 16 K steps: a depth that divides them exists, so the pipeline
-  # runs across tiles (776 above is 13 steps: the unchained fallback).
+def _assert_lowers_for_cuda(config, m, n, k):
+  """Every layout x output dtype of `config` lowers for CUDA (TMA's and
+  wgmma's layout rules are checked in Python, no GPU needed)."""
   cfg = det_matmul_mgpu.CONFIGS[config]
-  assert det_matmul_mgpu._stages(cfg, 2, 2, 64, 32, 16) == (4, True)
-  m, n, k = 1001, 4104, 1000
   for (ta, tb), out in itertools.product(LAYOUTS, (jnp.bfloat16, jnp.float32)):
     a = jax.ShapeDtypeStruct((k, m) if ta else (m, k), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((n, k) if tb else (k, n), jnp.bfloat16)
@@ -59,6 +40,23 @@ def test_chained_configs_lower_with_the_chained_pipeline(config):
         config=cfg, num_sms=132))
     text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text, (config, ta, tb, out)
+
+
+@pytest.mark.parametrize("config", sorted(det_matmul_mgpu.CONFIGS))
+def test_every_config_and_layout_lowers_for_cuda(config):
+  # 1001 rows, 776 / 4104 elements per row: none a whole TMA tile.
+  _assert_lowers_for_cuda(config, 1001, 4104, 776)
+
+
+@pytest.mark.parametrize("config", [name for name, cfg in
+                                    det_matmul_mgpu.CONFIGS.items()
+                                    if cfg.chain])
+def test_chained_configs_lower_with_the_chained_pipeline(config):
+  # K=1000 is 16 K steps: a depth that divides them exists, so the pipeline
+  # runs across tiles (776 above is 13 steps: the unchained fallback).
+  assert det_matmul_mgpu._stages(det_matmul_mgpu.CONFIGS[config], 2, 2, 64,
+                                 32, 16) == (4, True)
+  _assert_lowers_for_cuda(config, 1001, 4104, 1000)
 
 
 def test_pipeline_depth_fits_shared_memory_and_divides_chained_k_steps():
