@@ -87,7 +87,10 @@ def test_gradients_against_float64(impl, rng):
   w64 = np.asarray(weight, np.float64)
   for got, want in ((dh, dlogits @ w64.T), (dw, h64.T @ dlogits)):
     err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
-    assert err < 1e-5, err
+    # f32 rounding, with cancellation in (onehot - p) and (logits - mean):
+    # over 400 draws the XLA route's median was 4.3e-6 and its worst 1.4e-5
+    # (a seed failed CI's former 1e-5); a wrong term is O(1).
+    assert err < 5e-5, err
 
 
 def test_check_grads(impl, rng):
