@@ -228,16 +228,16 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
   k_iters = pl.cdiv(k, BLOCK_K)
   itemsize = jnp.dtype(a_gmem.dtype).itemsize
   out_dtype = out_gmem.dtype
+  out_itemsize = jnp.dtype(out_dtype).itemsize
   # epilogue_n counts 16-bit columns: a 32-bit output's sub-tiles take half
   # as many, so the epilogue's shared memory does not grow with it.
   epi_m = min(_EPILOGUE, tm)
-  epi_n = min(cfg.epilogue_n * 2 // jnp.dtype(out_dtype).itemsize, tn)
+  epi_n = min(cfg.epilogue_n * 2 // out_itemsize, tn)
   slots = min(2, (tm * tn) // (epi_m * epi_n))
-  stages, chain = _stages(cfg, itemsize, jnp.dtype(out_dtype).itemsize,
-                          epi_m, epi_n, k_iters)
-  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  stages, chain = _stages(cfg, itemsize, out_itemsize, epi_m, epi_n, k_iters)
+  out_swizzle = plgpu.find_swizzle(epi_n * out_itemsize * 8)
   out_transforms = (
-      plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+      plgpu.TilingTransform((8, out_swizzle // out_itemsize)),
       plgpu.SwizzleTransform(out_swizzle))
   transforms = _swizzled(plgpu, itemsize)
   # The two CTAs of a cluster along N read the same A tile (along M, the
