@@ -62,6 +62,16 @@ def _gemm_cases():
   return cases
 
 
+def _train_step_cases():
+  from benchmarks import bench_jit_steps as steps
+  capacity, args = steps._train_inputs(steps._sizes(smoke=False))
+  return {
+      f"packed training step {impl}": (
+          jax.grad(functools.partial(steps.train_loss, impl == "rlk",
+                                     capacity), argnums=(3, 4)), [args])
+      for impl in ("rlk", "xla")}
+
+
 def profile_case(name, fn, arg_sets):
   ms = harness.time_jax(fn, arg_sets, iters=10, repeats=7)
   many = jax.jit(lambda sets: [fn(*s) for s in sets])
@@ -90,13 +100,20 @@ def profile_case(name, fn, arg_sets):
         f"busy {busy / len(sets):.1f} us per call; gaps median "
         f"{statistics.median(gaps) if gaps else 0:.1f} us, max "
         f"{max(gaps) if gaps else 0:.1f} us")
+  between = last[0].time_range.start - events[-per - 1].time_range.end
+  print(f"   gaps sum {sum(gaps):.1f} us inside the program, "
+        f"{between:.1f} us before it (after the previous program)")
   for e, gap in zip(last[:12], [0.0] + gaps):
     print(f"   +{gap:6.1f} us gap  {e.time_range.end - e.time_range.start:8.1f} us"
           f"  {e.name[:80]}")
+  if len(last) > 12:
+    print("   largest gaps: us, after -> before")
+    for i in sorted(range(len(gaps)), key=gaps.__getitem__)[::-1][:10]:
+      print(f"   {gaps[i]:6.1f}  {last[i].name[:50]} -> {last[i + 1].name[:50]}")
 
 
 def main(names):
-  cases = {**_pack_cases(), **_gemm_cases()}
+  cases = {**_pack_cases(), **_gemm_cases(), **_train_step_cases()}
   for name, (fn, args) in cases.items():
     if names and not any(n in name for n in names):
       continue
