@@ -29,8 +29,8 @@ Implementations:
 
 Notes: the decode step's time per product and its ratio to
 ``rlk_torch_graph``; the training step's time beyond the sum of its
-kernels' device times (CUPTI, through torch.profiler), the overhead the
-command buffers should remove.
+kernels' device times (CUPTI, through torch.profiler) while steps run back
+to back, and what a step costs more when the host waits on each one.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _jax_rows(smoke: bool, suffix: str = "") -> list[Row]:
   if harness.on_gpu():
     for row in train_rows:
       if row.median_ms:
-        row.note = _overhead_note(row.median_ms, *harness.jax_batch(
+        row.note = _overhead_note(*harness.jax_batch(
             grads[row.implementation], [args]))
   return rows + train_rows
 
@@ -216,37 +216,44 @@ def _train_case(sizes, capacity):
           f"{LAYERS} layers fwd+bwd")
 
 
-def _overhead_note(step_ms: float, run_batch, calls: int,
-                   steps: int = 200) -> str:
-  """The training step's time beyond its kernels. `step_ms` is the timed
-  figure; the kernels' device times come from CUPTI (torch.profiler sees
-  XLA's kernels, graph-launched ones too) over the second half of `steps`
-  steps run back to back, so they ran on a card as hot as in the timed
-  rounds: a power-capped H100 runs its kernels about 5% faster for a
-  moment after an idle pause (a profiler's start, a compile), and a short
-  profile taken there reads that throttling as overhead. The note also
-  gives the share of that stretch in which the GPU sat idle between
-  kernels."""
+def _overhead_note(run_batch, calls: int, steps: int = 200) -> str:
+  """The training step's time beyond its kernels, from one CUPTI trace
+  (torch.profiler sees XLA's kernels, graph-launched ones too) of `steps`
+  steps run back to back: over the second half of them, wall time is the
+  span from the first kernel's start to the last one's end, and kernel time
+  the part of it in which some kernel ran. Both come from the same stretch
+  on a card as hot as in the timed rounds. (Set against kernels profiled
+  apart from the timed rounds, the figure would measure the card instead:
+  a power-capped H100 runs the same kernels 5-8% faster or slower with its
+  recent load.)"""
   torch = harness.torch_or_none()
   if torch is None:
     return ""
   from torch.profiler import ProfilerActivity, profile
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
     run_batch(steps)
-  events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
-                  key=lambda e: e.time_range.start)
-  per_step = len(events) // (steps * calls)
+  spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA")
+  per_step = len(spans) // (steps * calls)
   if not per_step:
     return "profiled: no kernels seen"
   counted = steps * calls // 2
-  hot = events[-counted * per_step:]
-  busy_us = sum(e.time_range.end - e.time_range.start for e in hot)
-  span_us = hot[-1].time_range.end - hot[0].time_range.start
-  kernels_ms = busy_us / counted / 1e3
-  return (f"kernels {kernels_ms:.3f} ms per step (CUPTI, last {counted} of "
-          f"{steps * calls} steps back to back), overhead "
-          f"{(step_ms / kernels_ms - 1) * 100:.1f}%; GPU idle "
-          f"{(1 - busy_us / span_us) * 100:.1f}% between them")
+  hot = spans[-counted * per_step:]
+  busy_us, reach = 0.0, hot[0][0]
+  for start, end in hot:  # the union of the intervals: overlaps count once
+    busy_us += max(0.0, end - max(start, reach))
+    reach = max(reach, end)
+  wall_us = reach - hot[0][0]
+  # A loop that waits on every step also pays the dispatch and the wait
+  # once per step: one step alone against one of 16 back to back.
+  alone, in_16 = (harness.time_batches(lambda n, k=k: [run_batch(k)
+                                                       for _ in range(n)],
+                                       iters=5) / k / calls for k in (1, 16))
+  return (f"last {counted} of {steps * calls} steps back to back (CUPTI): "
+          f"{wall_us / counted / 1e3:.3f} ms wall, kernels "
+          f"{busy_us / counted / 1e3:.3f} ms, overhead "
+          f"{(wall_us / busy_us - 1) * 100:.1f}%; a step waited on alone "
+          f"+{alone - in_16:.3f} ms")
 
 
 def _torch_graph_rows(smoke: bool) -> list[Row]:

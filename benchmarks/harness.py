@@ -105,6 +105,14 @@ def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
   power-capped card (the H100 here drops from 1.9 to 1.3-1.5 GHz within a
   second of large GEMMs) timing one implementation after another would hand
   the later ones a hotter, slower card.
+
+  A sample is the time `iters` more iterations add: a batch of `2 * iters`
+  less one of `iters`, timed back to back. What a batch costs once, however
+  long it is (the host's dispatch of its first call, the wait at its end,
+  a graph's launch), cancels, and the figure is a call's time within a run
+  of calls, as in a training or decode step. (Timed whole, a 2 ms batch of
+  jitted products carried 5-15% of such once-per-batch time that a CUDA
+  graph's replay did not: H100, 2026-11-24.)
   """
   repeats = repeats or REPEATS.value
   names = list(batches)
@@ -117,7 +125,10 @@ def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
       run_batch, calls = batches[name]
       start = time.perf_counter()
       run_batch(iters)
-      samples[name].append((time.perf_counter() - start) * 1e3 / iters / calls)
+      middle = time.perf_counter()
+      run_batch(2 * iters)
+      added = (time.perf_counter() - middle) - (middle - start)
+      samples[name].append(added * 1e3 / iters / calls)
   return {name: statistics.median(s) for name, s in samples.items()}
 
 

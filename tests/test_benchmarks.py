@@ -5,6 +5,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -28,6 +29,17 @@ def test_peer_ratios_divide_by_the_same_case_only():
           Row("b", "c2", "rlk", 3.0), Row("b", "c2", "other", None)]
   assert harness.peer_ratios(rows, "peer") == [1.0, 0.5, None, None]
   assert "x peer" in harness.format_table(rows, peer="peer")
+
+
+def test_interleaved_timing_leaves_out_what_a_batch_costs_once():
+  # A batch that costs 30 ms once (dispatch, the final wait) plus 2 ms a
+  # call: timed whole, 5 calls would read 8 ms each; the figure is 2 ms.
+  def run_batch(n):
+    time.sleep(0.030 + 0.002 * n)
+
+  per_call = harness.time_interleaved({"fake": (run_batch, 1)}, iters=5,
+                                      repeats=3, warmup=0)["fake"]
+  assert 1.5 < per_call < 3.5
 
 
 def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
