@@ -112,7 +112,9 @@ def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
   a graph's launch), cancels, and the figure is a call's time within a run
   of calls, as in a training or decode step. (Timed whole, a 2 ms batch of
   jitted products carried 5-15% of such once-per-batch time that a CUDA
-  graph's replay did not: H100, 2026-11-24.)
+  graph's replay did not: H100, 2026-11-24.) Give a batch of `iters` about
+  10 ms of work: shorter ones still favour the route that pauses longer
+  between batches (the card runs faster just after a pause).
   """
   repeats = repeats or REPEATS.value
   names = list(batches)
