@@ -42,6 +42,17 @@ def test_interleaved_timing_leaves_out_what_a_batch_costs_once():
   assert 1.5 < per_call < 3.5
 
 
+def test_interleaved_timing_falls_back_to_whole_batches_in_noise():
+  # More calls taking no longer (noise larger than the work): the added
+  # time is not positive, so the figure is the longer batch's per call.
+  def run_batch(n):
+    time.sleep(0.012 - 0.001 * n)
+
+  per_call = harness.time_interleaved({"fake": (run_batch, 1)}, iters=2,
+                                      repeats=3, warmup=0)["fake"]
+  assert 1.5 < per_call < 3.5  # the 4-call batch: 8 ms over 4 calls
+
+
 def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   out = tmp_path / "out"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
