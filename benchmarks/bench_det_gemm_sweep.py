@@ -193,7 +193,6 @@ def timing_plan(x_shape, y_shape, flops: int) -> tuple[int, int]:
   return n_sets, max(1, round(SAMPLE_S * 700e12 / (flops * n_sets)))
 
 
-
 def run(smoke: bool) -> list[Row]:
   families = SMOKE_FAMILIES if smoke else FAMILIES
   if FAMILIES_FLAG.value:
