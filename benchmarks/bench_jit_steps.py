@@ -23,11 +23,12 @@ Implementations:
 * ``rlk_jit_donated`` (decode): ``rlk_jit`` called in a loop on its own
   output, donated, so every call sees the same buffer addresses (what a
   command buffer needs to replay without re-recording its rlk calls).
-* ``rlk_torch_graph`` (decode): the same SM90 kernels, in the same order,
-  replayed from one torch CUDA graph: the launch-free reference a jitted
-  program's per-product cost is judged against.
+* ``rlk_torch_graph``: the same SM90 kernels, in the same order, replayed
+  from one torch CUDA graph (the training step through the torch bridge's
+  ops, its backward by torch's autograd): the launch-free reference a
+  jitted program is judged against.
 
-Notes: the decode step's time per product and its ratio to
+Notes: the decode step's time per product; each step's ratio to
 ``rlk_torch_graph``; the training step's time beyond the sum of its
 kernels' device times (CUPTI, through torch.profiler) while steps run back
 to back, and what a step costs more when the host waits on each one.
@@ -84,6 +85,20 @@ def _rlk_gemm(a, w):
 
 def _xla_gemm(a, w):
   return jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def train_loss_torch(capacity: int, x, mask, targets, weights, head_vh):
+  """`train_loss` with rlk's ops from torch (the bridge; the head as
+  ``lm_head.weight``, ``[V, H]``): the same kernels, on torch's stream."""
+  import torch
+  import rlk_torch_bridge as rtb
+  packed, info = rtb.pack(x, mask, capacity=capacity, checked=False)
+  labels = rtb.pack(targets, info, fill_value=-100, checked=False)[0]
+  h = packed
+  for w in weights:
+    h = torch.nn.functional.silu(rtb.det_gemm(h, w))
+  logp = rtb.linear_logp(h, head_vh, labels)
+  return -logp.sum() / (labels >= 0).sum().clamp(min=1)
 
 
 def train_loss(rlk: bool, capacity: int, x, mask, targets, weights, head):
@@ -259,7 +274,7 @@ def _overhead_note(run_batch, calls: int, steps: int = 200) -> str:
 
 
 def _torch_graph_rows(smoke: bool) -> list[Row]:
-  """The decode step's SM90 kernels replayed from a torch CUDA graph."""
+  """Both steps' SM90 kernels replayed from a torch CUDA graph."""
   torch = harness.torch_or_none()
   import rlk_jax
   if (torch is None or not harness.on_gpu()
@@ -278,6 +293,21 @@ def _torch_graph_rows(smoke: bool) -> list[Row]:
     rows += harness.interleaved_rows(BENCH, _decode_case(sizes, m), {
         "rlk_torch_graph": lambda: harness.torch_batch(step, sets, graph=True)
     }, iters=20)
+  capacity, (x, mask, targets, weights, head) = _train_inputs(sizes)
+  params = [torch.from_dlpack(w).clone().requires_grad_() for w in weights]
+  params.append(torch.from_dlpack(head).t().contiguous().requires_grad_())
+  args = (torch.from_dlpack(x), torch.from_dlpack(mask),
+          torch.from_dlpack(targets), params)
+
+  def train_step(x, mask, targets, params):
+    loss = train_loss_torch(capacity, x, mask, targets, params[:-1],
+                            params[-1])
+    return torch.autograd.grad(loss, params)
+
+  rows += harness.interleaved_rows(BENCH, _train_case(sizes, capacity), {
+      "rlk_torch_graph": lambda: harness.torch_batch(train_step, [args],
+                                                     graph=True)
+  }, iters=TRAIN_ITERS)
   return rows
 
 
@@ -302,12 +332,15 @@ def _annotate(rows: list[Row]) -> list[Row]:
   graph = {r.case: r.median_ms for r in rows
            if r.implementation == "rlk_torch_graph" and r.median_ms}
   for row in rows:
-    if row.case.startswith("decode step") and row.median_ms:
+    if not row.median_ms:
+      continue
+    notes = [row.note] if row.note else []
+    if row.case.startswith("decode step"):
       per_product = row.median_ms * 1e3 / (LAYERS * PRODUCTS_PER_LAYER)
-      note = f"{per_product:.1f} us per product"
-      if row.case in graph and row.implementation != "rlk_torch_graph":
-        note += f", {row.median_ms / graph[row.case]:.2f}x rlk_torch_graph"
-      row.note = note
+      notes = [f"{per_product:.1f} us per product"]
+    if row.case in graph and row.implementation != "rlk_torch_graph":
+      notes.append(f"{row.median_ms / graph[row.case]:.2f}x rlk_torch_graph")
+    row.note = "; ".join(notes)
   return rows
 
 

@@ -250,8 +250,14 @@ def torch_batch(fn: Callable, arg_sets: Sequence[tuple], *,
   fn(*arg_sets[0])
   sync()
   if graph:
-    for s in arg_sets:  # warm up (handles, workspaces) outside the capture
-      fn(*s)
+    # Warm up (handles, workspaces, autograd's streams) outside the capture,
+    # on a side stream as torch's CUDA-graph notes ask.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+      for s in arg_sets:
+        fn(*s)
+    torch.cuda.current_stream().wait_stream(side)
     sync()
     g = torch.cuda.CUDAGraph()
     # thread_local: XLA's own threads may touch CUDA during the capture.

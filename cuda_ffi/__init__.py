@@ -1,5 +1,5 @@
 """CUDA C++ kernels behind XLA FFI custom calls: the SM90 (Hopper) det_gemm,
-and pack's metadata and row gather.
+pack's metadata and row gather, and linear_logp's row kernels.
 
 det_gemm: CUTLASS 3.x TMA warp-specialized GEMMs with a fixed 64-wide K tile
 walked in order, a persistent tile scheduler and no split-K: batch-invariant
@@ -30,6 +30,8 @@ PACK_INFO_TARGET = "rlk_pack_info"
 GATHER_ROWS_TARGET = "rlk_gather_rows"
 PACK_ROWS_TARGET = "rlk_pack_rows"
 LOGITS_STATS_TARGET = "rlk_logits_stats"
+LOGITS_FINISH_TARGET = "rlk_logits_finish"
+LOGITS_GRAD_TARGET = "rlk_logits_grad"
 # Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
 # "auto" lets the library's analytic rule choose by shape. Every config gives
 # the same bits (device-tested); rlk_jax chooses among them by measurement.
@@ -85,7 +87,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                              (PACK_INFO_TARGET, lib.RlkPackInfo),
                              (GATHER_ROWS_TARGET, lib.RlkGatherRows),
                              (PACK_ROWS_TARGET, lib.RlkPackRows),
-                             (LOGITS_STATS_TARGET, lib.RlkLogitsStats)):
+                             (LOGITS_STATS_TARGET, lib.RlkLogitsStats),
+                             (LOGITS_FINISH_TARGET, lib.RlkLogitsFinish),
+                             (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                     platform="CUDA")
     except AttributeError as e:  # a library built from older sources
@@ -124,6 +128,12 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_gather_rows.restype = ctypes.c_char_p
   lib.rlk_gather_rows.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_uint64,
                                   vp]
+  f32 = ctypes.c_float
+  for entry, argtypes in (
+      (lib.rlk_logits_stats, [vp] * 7 + [i64, i64, f32]),
+      (lib.rlk_logits_finish, [vp] * 6 + [i64, i64] + [vp] * 3),
+      (lib.rlk_logits_grad, [vp] * 7 + [i64, i64, f32, vp])):
+    entry.restype, entry.argtypes = ctypes.c_char_p, argtypes
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -141,6 +151,12 @@ def library() -> ctypes.CDLL:
   if lib is None:
     raise RuntimeError(reason)
   return lib
+
+
+def _checked(err: bytes | None) -> None:
+  """Raises a C entry's error message (None: it succeeded)."""
+  if err is not None:
+    raise RuntimeError(err.decode())
 
 
 def operand_reason(m: int, n: int, k: int, transpose_a: bool,
@@ -212,11 +228,9 @@ def time_configs(m: int, n: int, k: int, *, transpose_a: bool,
   configs = list(configs)
   codes = (ctypes.c_int64 * len(configs))(*(CONFIGS[c] for c in configs))
   out = (ctypes.c_float * len(configs))()
-  err = library().rlk_det_gemm_sm90_time_configs(
+  _checked(library().rlk_det_gemm_sm90_time_configs(
       int(transpose_a), int(transpose_b), int(out_f32), m, n, k, codes,
-      len(configs), rounds, min_ms, out)
-  if err is not None:
-    raise RuntimeError(err.decode())
+      len(configs), rounds, min_ms, out))
   return {c: (float(ms) if ms >= 0 else None) for c, ms in zip(configs, out)}
 
 
@@ -355,6 +369,38 @@ def gather_rows(src, idx, fill):
   return call(src, idx, fill_bits=_fill_attr(fill, src.dtype))
 
 
+def _fill_attr(fill, dtype):
+  # The same 64 bits as the C entry's uint64, as the int64 FFI attribute.
+  return np.array(fill_bits(fill, dtype), np.uint64).view(np.int64)[()]
+
+
+def launch_pack_rows(stream: int, src_ptr: int, active_ptr: int, n_seq: int,
+                     width: int, capacity: int, row_bytes: int,
+                     elem_bytes: int, fill: int, scratch_ptr: int, field_ptrs,
+                     dst_ptr: int) -> None:
+  """pack_rows's kernels on raw pointers and a stream (the torch bridge):
+  the packed rows at `dst_ptr` and every field, one kernel for small masks."""
+  _checked(library().rlk_pack_rows(stream, src_ptr, active_ptr, n_seq, width,
+                                    capacity, row_bytes, elem_bytes, fill,
+                                    scratch_ptr, *field_ptrs, dst_ptr))
+
+
+def pack_info_scratch_bytes(size: int) -> int:
+  return library().rlk_pack_info_scratch_bytes(size)
+
+
+def launch_gather_rows(stream: int, src_ptr: int, idx_ptr: int, out_rows: int,
+                       row_bytes: int, elem_bytes: int, fill: int,
+                       dst_ptr: int) -> None:
+  _checked(library().rlk_gather_rows(stream, src_ptr, idx_ptr, out_rows,
+                                      row_bytes, elem_bytes, fill, dst_ptr))
+
+
+# ----------------------------------------------------------------------------
+# linear_logp's row kernels (one vocabulary chunk at a time; the chunk's
+# logits come from det_gemm)
+
+
 def logits_stats(logits, targets, stats, *, temperature: float):
   """Folds f32 logits ``[N, C]`` into linear_logp's running stats (four f32
   ``[N]``: max, sum of exp, target logit, sum of exp * logit; updated in
@@ -371,32 +417,53 @@ def logits_stats(logits, targets, stats, *, temperature: float):
   return call(logits, targets, *stats, temperature=np.float32(temperature))
 
 
-def _fill_attr(fill, dtype):
-  # The same 64 bits as the C entry's uint64, as the int64 FFI attribute.
-  return np.array(fill_bits(fill, dtype), np.uint64).view(np.int64)[()]
+def logits_finish(stats, targets, vocab: int):
+  """``(logp, lse, entropy)``, f32 ``[N]`` each, from the folded stats;
+  `targets` int32 ``[N]`` (outside ``[0, vocab)``: log-prob 0)."""
+  import jax
+  import jax.numpy as jnp
+  library()
+  out = jax.ShapeDtypeStruct((targets.shape[0],), jnp.float32)
+  call = jax.ffi.ffi_call(LOGITS_FINISH_TARGET, (out,) * 3,
+                          vmap_method="sequential")
+  return call(*stats, targets, vocab=np.int64(vocab))
 
 
-def launch_pack_rows(stream: int, src_ptr: int, active_ptr: int, n_seq: int,
-                     width: int, capacity: int, row_bytes: int,
-                     elem_bytes: int, fill: int, scratch_ptr: int, field_ptrs,
-                     dst_ptr: int) -> None:
-  """pack_rows's kernels on raw pointers and a stream (the torch bridge):
-  the packed rows at `dst_ptr` and every field, one kernel for small masks."""
-  err = library().rlk_pack_rows(stream, src_ptr, active_ptr, n_seq, width,
-                                capacity, row_bytes, elem_bytes, fill,
-                                scratch_ptr, *field_ptrs, dst_ptr)
-  if err is not None:
-    raise RuntimeError(err.decode())
+def logits_grad(logits, targets, lse, entropy, g_picked, g_entropy, *,
+                temperature: float):
+  """linear_logp's d loss / d logits of one chunk, bf16 ``[N, C]``, from the
+  chunk's raw f32 logits ``[N, C]`` (C a multiple of 4), `targets` int32
+  indexing this chunk, and each row's f32 lse, entropy, cotangent of the
+  log-prob (0 where the target is outside the vocabulary) and of the
+  entropy."""
+  import jax
+  import jax.numpy as jnp
+  library()
+  call = jax.ffi.ffi_call(
+      LOGITS_GRAD_TARGET, jax.ShapeDtypeStruct(logits.shape, jnp.bfloat16),
+      vmap_method="sequential")
+  return call(logits, targets, lse, entropy, g_picked, g_entropy,
+              temperature=np.float32(temperature))
 
 
-def pack_info_scratch_bytes(size: int) -> int:
-  return library().rlk_pack_info_scratch_bytes(size)
+def launch_logits_stats(stream: int, logits_ptr: int, targets_ptr: int,
+                        stat_ptrs, n: int, c: int, temperature: float) -> None:
+  """`logits_stats` on raw pointers and a stream (the torch bridge), the
+  four stats at `stat_ptrs` updated in place."""
+  _checked(library().rlk_logits_stats(stream, logits_ptr, targets_ptr,
+                                      *stat_ptrs, n, c, temperature))
 
 
-def launch_gather_rows(stream: int, src_ptr: int, idx_ptr: int, out_rows: int,
-                       row_bytes: int, elem_bytes: int, fill: int,
-                       dst_ptr: int) -> None:
-  err = library().rlk_gather_rows(stream, src_ptr, idx_ptr, out_rows,
-                                  row_bytes, elem_bytes, fill, dst_ptr)
-  if err is not None:
-    raise RuntimeError(err.decode())
+def launch_logits_finish(stream: int, stat_ptrs, targets_ptr: int, n: int,
+                         vocab: int, out_ptrs) -> None:
+  """`logits_finish` on raw pointers: logp, lse, entropy at `out_ptrs`."""
+  _checked(library().rlk_logits_finish(stream, *stat_ptrs, targets_ptr, n,
+                                       vocab, *out_ptrs))
+
+
+def launch_logits_grad(stream: int, logits_ptr: int, row_ptrs, n: int, c: int,
+                       temperature: float, out_ptr: int) -> None:
+  """`logits_grad` on raw pointers; `row_ptrs` are targets, lse, entropy,
+  g_picked, g_entropy in that order."""
+  _checked(library().rlk_logits_grad(stream, logits_ptr, *row_ptrs, n, c,
+                                     temperature, out_ptr))

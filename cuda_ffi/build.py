@@ -30,8 +30,8 @@ KERNEL_HEADER = CSRC / "det_gemm_sm90.h"
 API_SOURCE = CSRC / "det_gemm_api.cc"
 # The pack kernels: no CUTLASS, one object each.
 PACK_SOURCES = (CSRC / "pack_rows_kernels.cu", CSRC / "pack_rows_api.cc")
-# linear_logp's online-logsumexp kernel and its FFI handler, one file.
-LOGITS_STATS_SOURCE = CSRC / "logits_stats.cu"
+# linear_logp's row kernels (stats, finish, gradient) and their entries, one file.
+LOGP_SOURCE = CSRC / "linear_logp_kernels.cu"
 LIBRARY_NAME = "librlk_cuda_ffi.so"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
@@ -158,8 +158,8 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(kernels),
                    "-o", str(out_dir / "pack_rows_kernels.o")])
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
-                   "-c", str(LOGITS_STATS_SOURCE),
-                   "-o", str(out_dir / "logits_stats.o")])
+                   "-c", str(LOGP_SOURCE),
+                   "-o", str(out_dir / "linear_logp_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
   for source in (API_SOURCE, pack_api):

@@ -3,13 +3,15 @@ head, in f32, without holding the [N, V] logits, batch-invariant bitwise.
 
 The forward is one fused pass (``pallas``, or ``triton``: the same kernel
 as a @triton.jit function through jax-triton), chunks of f32 logits from the
-SM90 det_gemm folded into the same online logsumexp by a small CUDA stats
-kernel behind XLA FFI (``cuda_ffi``: one ``[N, chunk_size]`` block at a time,
-every launch a command-buffer-compatible FFI call), or the
-column-by-column reference (``xla``). The backward recomputes the logits a vocabulary chunk at a time
-with det_gemm: ``dlogits = g·(onehot - p) - g_ent·p·(logit - E[logit])``, then
-``dh += dlogits @ W_cᵀ`` and ``dW_c = hᵀ @ dlogits`` (fixed chunk order, fixed
-row order), so only one ``[N, chunk]`` block lives at a time.
+SM90 det_gemm folded into the same online logsumexp by small CUDA kernels
+behind XLA FFI (``cuda_ffi``: one ``[N, chunk_size]`` block at a time, every
+launch a command-buffer-compatible FFI call; the torch bridge launches the
+same kernels on torch's stream), or the column-by-column reference
+(``xla``). The backward recomputes the logits a vocabulary chunk at a time
+with det_gemm: ``dlogits = g·(onehot - p) - g_ent·p·(logit - E[logit])`` (a
+CUDA kernel on ``cuda_ffi``), then ``dh += dlogits @ W_cᵀ`` and
+``dW_c = hᵀ @ dlogits`` (fixed chunk order, fixed row order), so only one
+``[N, chunk]`` block lives at a time.
 """
 
 from __future__ import annotations
@@ -55,25 +57,20 @@ def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
   # (row-invariant); the CUDA stats kernel folds them into each row's
   # running logsumexp in vocabulary order, one warp per row in a fixed lane
   # order: a row's result never depends on the other rows. (Not jax-triton's
-  # stats kernel: its legacy custom call splits XLA's command buffers.)
-  v = weight.shape[1]
-  stats = logp_kernel.initial_stats(hidden.shape[0])
-  if not hidden.shape[0]:  # no launch for an empty grid
-    return finish_rows(stats, targets, v)
+  # stats kernel: its legacy custom call splits XLA's command buffers.) The
+  # finish is a CUDA kernel too, so the torch bridge's route, which launches
+  # the same kernels in the same order, has these bits.
+  n, v = hidden.shape[0], weight.shape[1]
+  if not n:  # no launch for an empty grid
+    return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
+  stats = logp_kernel.initial_stats(n)
   for c0 in range(0, v, chunk_size):  # a fixed order: the same every call
     logits = _det_gemm.det_gemm(hidden, weight[:, c0:c0 + chunk_size],
                                 out_dtype=jnp.float32,
                                 implementation="cuda_ffi")
     stats = cuda_ffi.logits_stats(logits, targets - c0, stats,
                                   temperature=temperature)
-  return finish_rows(stats, targets, v)
-
-
-def finish_rows(stats, targets, v):
-  """(logp, lse, entropy) of the folded stats outside a kernel, each row's
-  bits independent of the number of rows on every backend."""
-  return logp_kernel.finish(stats, targets, v,
-                            log=functools.partial(reference.rowwise, jnp.log))
+  return cuda_ffi.logits_finish(stats, targets, v)
 
 
 def _sm90_operands(n, h, v, dtype, chunk_size):
@@ -134,17 +131,14 @@ def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
   hidden, weight, targets, lse, entropy = residuals
   g_logp, g_ent = cotangents
   v = weight.shape[1]
-  mean_logit = lse - entropy
-  g_picked = g_logp * ((targets >= 0) & (targets < v)).astype(jnp.float32)
+  g_picked = jnp.where((targets >= 0) & (targets < v), g_logp, 0.0)
+  dlogits_of = _dlogits_sm90 if impl == "cuda_ffi" else _dlogits
 
   def chunk_grads(c0, w_c):
     logits = _det_gemm.det_gemm(hidden, w_c, out_dtype=jnp.float32,
-                                implementation=impl) / jnp.float32(temperature)
-    p = jnp.exp(logits - lse[:, None])
-    onehot = targets[:, None] == c0 + jnp.arange(w_c.shape[1], dtype=jnp.int32)
-    dlogits = g_picked[:, None] * (onehot - p)
-    dlogits = dlogits - g_ent[:, None] * p * (logits - mean_logit[:, None])
-    dlogits = (dlogits / jnp.float32(temperature)).astype(hidden.dtype)
+                                implementation=impl)
+    dlogits = dlogits_of(logits, targets - c0, lse, entropy, g_picked, g_ent,
+                         temperature).astype(hidden.dtype)
     dh_c = _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
                               out_dtype=jnp.float32, implementation=impl)
     return dh_c, _det_gemm._matmul(impl, True, False, weight.dtype, hidden,
@@ -170,6 +164,25 @@ def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
     dh_c, dw_c = chunk_grads(c0, weight[:, c0:])
     dh, dw = dh + dh_c, dw.at[:, c0:].set(dw_c)
   return dh.astype(hidden.dtype), dw, None
+
+
+def _dlogits(logits, targets, lse, entropy, g_picked, g_ent, temperature):
+  """d loss / d logits of one chunk (f32) from its raw f32 logits;
+  `targets` index the chunk. The arithmetic of the CUDA kernel behind
+  ``cuda_ffi.logits_grad``, in XLA ops."""
+  x = logits / jnp.float32(temperature)
+  p = jnp.exp(x - lse[:, None])
+  onehot = targets[:, None] == jnp.arange(x.shape[1], dtype=jnp.int32)
+  d = g_picked[:, None] * (onehot - p)
+  d = d - g_ent[:, None] * p * (x - (lse - entropy)[:, None])
+  return d / jnp.float32(temperature)
+
+
+def _dlogits_sm90(logits, targets, lse, entropy, g_picked, g_ent, temperature):
+  # A CUDA kernel rather than XLA's fusion: the torch bridge launches the
+  # same kernel, so its gradients have these bits (XLA's exp is not torch's).
+  return cuda_ffi.logits_grad(logits, targets, lse, entropy, g_picked, g_ent,
+                              temperature=temperature)
 
 
 _logp.defvjp(_logp_fwd, _logp_bwd)

@@ -2,9 +2,11 @@
 rlk_jax's linear_logp forward and VJP as PyTorch operators.
 
 The forward returns ``(logp, entropy, lse)`` (lse is the residual the
-backward needs); the backward returns ``(d hidden, d weight [H, V])``. Both
-run rlk_jax's own forward and VJP functions on the implementation the
-forward chose, through one jitted JAX call each (DLPack), so the bits are
+backward needs); the backward returns ``(d hidden, d weight [H, V])``. On an
+SM90 GPU the ``cuda_ffi`` implementation launches rlk_jax's kernels itself,
+in rlk_jax's order, on torch's stream (``_sm90_logp``: capturable in CUDA
+graphs); every other implementation runs rlk_jax's own forward and VJP
+functions through one jitted JAX call each (DLPack). Either way the bits are
 the JAX op's. ``weight`` is ``lm_head.weight``, ``[V, H]``: JAX gets a
 contiguous ``[H, V]`` copy (one weight read and write per call).
 """
@@ -17,7 +19,7 @@ import jax
 import torch
 
 from rlk_jax import _linear_logp
-from rlk_torch_bridge import _library
+from rlk_torch_bridge import _library, _sm90_logp
 from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
                                       to_torch_all)
 
@@ -60,6 +62,8 @@ def _jax_backward(impl, temperature, chunk_size, hidden, weight_hv, targets,
 def _forward_kernel(hidden, weight, targets, temperature, chunk_size,
                     implementation):
   impl = choose(hidden, weight, chunk_size, implementation)
+  if impl == "cuda_ffi" and hidden.is_cuda:
+    return _sm90_logp.forward(hidden, weight, targets, temperature, chunk_size)
   _library.refuse_capture("linear_logp", impl, hidden.device)
   logp, lse, entropy = _jax_forward(
       impl, temperature, chunk_size,
@@ -76,6 +80,9 @@ def _forward_fake(hidden, weight, targets, temperature, chunk_size,
 
 def _backward_kernel(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
                      temperature, chunk_size, implementation):
+  if implementation == "cuda_ffi" and hidden.is_cuda:
+    return _sm90_logp.backward(hidden, weight, targets, lse, entropy, g_logp,
+                               g_entropy, temperature, chunk_size)
   _library.refuse_capture("linear_logp", implementation, hidden.device)
   dh, dw_hv = _jax_backward(
       implementation, temperature, chunk_size,

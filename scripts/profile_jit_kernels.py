@@ -7,11 +7,13 @@ the ones inside the benchmark's figure.
     python scripts/profile_jit_kernels.py [case ...]   (GPU machine; stdout)
 
 Run it under different XLA_FLAGS (e.g. --xla_gpu_enable_command_buffer=) to
-see what XLA's command buffers (CUDA graphs) change.
+see what XLA's command buffers (CUDA graphs) change. Each case also says
+how many of its custom calls XLA captured in command buffers.
 """
 import functools
 import statistics
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rlk_jax
-from benchmarks import harness
+from benchmarks import harness, xla_dump
 
 B, S, H = 32, 1024, 4096
 
@@ -49,16 +51,28 @@ def _pack_cases():
   }
 
 
+def _xla_dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
 def _gemm_cases():
   cases = {}
-  for m, k, n in ((1, 4096, 4096), (16, 4096, 14336)):
+  # Decode products, then M=256 products where the Mosaic GPU kernel reads
+  # 0.25-0.7x cuBLAS (the MoE expert's down and gate_up, llama3.2-3b's o).
+  for m, k, n, impls in (
+      (1, 4096, 4096, ("cuda_ffi", "pallas")),
+      (16, 4096, 14336, ("cuda_ffi", "pallas")),
+      (256, 768, 2048, ("cuda_ffi", "mosaic_gpu", "xla")),
+      (256, 2048, 1536, ("cuda_ffi", "mosaic_gpu", "xla")),
+      (256, 3072, 3072, ("cuda_ffi", "mosaic_gpu", "xla"))):
     keys = jax.random.split(jax.random.key(m + n), 32)
     pairs = [(jax.random.normal(keys[i], (m, k), jnp.float32).astype(jnp.bfloat16),
               jax.random.normal(keys[16 + i], (k, n), jnp.float32).astype(jnp.bfloat16))
              for i in range(16)]
-    for impl in ("cuda_ffi", "pallas"):
-      cases[f"det_gemm {impl} M={m} {k}->{n}"] = (
-          functools.partial(rlk_jax.det_gemm, implementation=impl), pairs)
+    for impl in impls:
+      fn = _xla_dot if impl == "xla" else functools.partial(
+          rlk_jax.det_gemm, implementation=impl)
+      cases[f"det_gemm {impl} M={m} {k}->{n}"] = (fn, pairs)
   return cases
 
 
@@ -90,6 +104,11 @@ def profile_case(name, fn, arg_sets):
   last = events[-per:] if per else []
   print(f"\n== {name}: time_jax {ms * 1e3:.1f} us per call "
         f"({len(sets)} calls per program)")
+  with tempfile.TemporaryDirectory() as dump:
+    sequence = xla_dump.thunk_sequence(many.lower(sets), dump)
+  captured, outside = xla_dump.custom_call_thunks(sequence or "")
+  print(f"   custom calls: {captured} in command buffers, {outside} outside"
+        + ("" if sequence else " (no command buffer formed)"))
   if not last:
     print("   no kernels seen")
     return

@@ -366,9 +366,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
 
 
 def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
-  # linear_logp's online logsumexp as a CUDA kernel behind FFI (staged: the
-  # cuda_ffi route still folds with the Triton kernel until this passes).
-  # Two chunks fold into running stats; rows alone give the batch's bits;
+  # linear_logp's online logsumexp as a CUDA kernel behind FFI. Two chunks fold into running stats; rows alone give the batch's bits;
   # the stats match float64 sums of everything folded so far.
   from pallas_kernels import linear_logp as pallas_logp
   n, c, temperature = 1000, 8192 + 136, 0.8
@@ -398,3 +396,73 @@ def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
                        ("weighted", got[3], (e * x).sum(1))):
       assert relative_error(g, w) < 1e-5, (step, name)
     stats = got
+
+
+def _dense_logp_grads(logits, targets, g_logp, g_entropy, temperature):
+  """float64 (lse, entropy, d loss / d logits) of rows of raw logits, for the
+  loss sum(g_logp * logp + g_entropy * entropy); targets outside the row
+  pick nothing."""
+  x = np.asarray(logits, np.float64) / temperature
+  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+  p = np.exp(x - lse[:, None])
+  mean = (p * x).sum(1)
+  t = np.asarray(targets)
+  onehot = np.arange(x.shape[1])[None, :] == t[:, None]
+  g = np.asarray(g_logp, np.float64)[:, None]
+  ge = np.asarray(g_entropy, np.float64)[:, None]
+  d = g * (onehot - p) - ge * p * (x - mean[:, None])
+  return lse, lse - mean, d / temperature
+
+
+def test_logits_finish_and_grad_kernels_rows_invariant_and_accurate(rng):
+  # linear_logp's finish (stats -> logp, lse, entropy) and the backward's
+  # d logits as CUDA kernels: against float64, and rows alone give the
+  # batch's bits. One chunk holds the whole vocabulary here.
+  from pallas_kernels import linear_logp as pallas_logp
+  n, v, temperature = 777, 4096 + 264, 0.7
+  logits = random_array(rng, (n, v), jnp.float32) * 4
+  targets = jnp.asarray(rng.integers(-3, v + 3, n), jnp.int32)
+  g_logp = random_array(rng, (n,), jnp.float32)
+  g_entropy = random_array(rng, (n,), jnp.float32)
+
+  @jax.jit
+  def run(logits, targets, g_logp, g_entropy):
+    stats = cuda_ffi.logits_stats(logits, targets,
+                                  pallas_logp.initial_stats(logits.shape[0]),
+                                  temperature=temperature)
+    logp, lse, entropy = cuda_ffi.logits_finish(stats, targets, v)
+    valid = (targets >= 0) & (targets < v)
+    d = cuda_ffi.logits_grad(logits, targets, lse, entropy,
+                             jnp.where(valid, g_logp, 0.0), g_entropy,
+                             temperature=temperature)
+    return logp, lse, entropy, d
+
+  got = run(logits, targets, g_logp, g_entropy)
+  assert got[3].dtype == jnp.bfloat16 and got[3].shape == (n, v)
+  for m in (1, 3, 100):
+    start = int(rng.integers(0, n - m + 1))
+    rows = slice(start, start + m)
+    alone = run(logits[rows], targets[rows], g_logp[rows], g_entropy[rows])
+    for name, g, a in zip(("logp", "lse", "entropy", "dlogits"), got, alone):
+      assert_bitwise_equal(a, g[rows], f"{name} M={m}")
+  t = np.asarray(targets)
+  valid = (t >= 0) & (t < v)
+  lse, entropy, d = _dense_logp_grads(logits, targets,
+                                      np.where(valid, g_logp, 0.0), g_entropy,
+                                      temperature)
+  x = np.asarray(logits, np.float64) / temperature
+  logp = np.where(valid, x[np.arange(n), np.clip(t, 0, v - 1)] - lse, 0.0)
+  assert relative_error(got[0], logp) < 1e-6
+  assert np.all(np.asarray(got[0])[~valid] == 0)
+  assert relative_error(got[1], lse) < 1e-6
+  assert relative_error(got[2], entropy) < 1e-5
+  assert relative_error(got[3], d) < 5e-3  # bf16's rounding
+
+
+def test_logits_grad_rejects_chunks_off_its_vector_width():
+  logits = jnp.ones((4, 10), jnp.float32)
+  rows = jnp.zeros((4,), jnp.float32)
+  with pytest.raises(Exception, match="multiple of 4"):
+    jax.block_until_ready(cuda_ffi.logits_grad(
+        logits, jnp.zeros((4,), jnp.int32), rows, rows, rows, rows,
+        temperature=1.0))

@@ -179,7 +179,8 @@ def test_chunked_stats_fold_matches_the_oracle_and_is_row_invariant(chunk, rng):
     for c0 in range(0, v, chunk):
       stats = logp_kernel.update_stats(logits[:, c0:c0 + chunk], targets - c0,
                                        stats, temperature=0.7, interpret=True)
-    return _linear_logp.finish_rows(stats, targets, v)
+    return logp_kernel.finish(stats, targets, v, log=functools.partial(
+        reference.rowwise, jnp.log))
 
   got = fold(hidden, targets)
   logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64) / 0.7

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from conftest import ON_GPU, assert_bitwise_equal, random_array
+from conftest import ON_GPU, assert_bitwise_equal, random_array, relative_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
@@ -48,6 +48,38 @@ def test_gradients_deterministic_at_size(impl, rng):
   a, b = grad(hidden, weight), grad(hidden, weight)
   assert_bitwise_equal(a[0], b[0])
   assert_bitwise_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_gradients_accurate_with_entropy_temperature_and_chunks(impl, rng):
+  # The backward of both outputs against float64, across several vocabulary
+  # chunks (two full ones and a remainder) with ignored targets.
+  n, h, v, chunk, temperature = 300, 512, 2 * 2048 + 808, 2048, 0.7
+  hidden = random_array(rng, (n, h), jnp.bfloat16) / 3
+  weight = (random_array(rng, (h, v), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, v, n), jnp.int32).at[::7].set(-100)
+  g_logp = random_array(rng, (n,), jnp.float32)
+  g_entropy = random_array(rng, (n,), jnp.float32)
+
+  def loss(h, w):
+    logp, entropy = rlk_jax.linear_logp(
+        h, w, targets, temperature=temperature, chunk_size=chunk,
+        return_entropy=True, implementation=impl)
+    return jnp.sum(g_logp * logp + g_entropy * entropy)
+
+  dh, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(hidden, weight)
+  h64, w64 = np.asarray(hidden, np.float64), np.asarray(weight, np.float64)
+  x = h64 @ w64 / temperature
+  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+  p = np.exp(x - lse[:, None])
+  t = np.asarray(targets)
+  onehot = np.arange(v)[None, :] == t[:, None]
+  g = np.where(t >= 0, np.asarray(g_logp, np.float64), 0.0)[:, None]
+  ge = np.asarray(g_entropy, np.float64)[:, None]
+  d = (g * (onehot - p) - ge * p * (x - (p * x).sum(1, keepdims=True)))
+  d /= temperature
+  assert relative_error(dh, d @ w64.T) < 1e-2
+  assert relative_error(dw, h64.T @ d) < 1e-2
 
 
 def test_sm90_default_on_hopper():

@@ -119,23 +119,33 @@ def test_det_linear_rows_invariant_on_cuda():
     assert torch.equal(layer(x[:m]).view(torch.int16), full[:m].view(torch.int16))
 
 
-def test_linear_logp_cuda_same_bits_as_jax(rng):
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_linear_logp_cuda_same_bits_as_jax(implementation, rng):
+  # Forward and backward of both outputs, several vocabulary chunks and a
+  # remainder, a temperature and ignored targets: on SM90 the default runs
+  # rlk_jax's kernels from torch (_sm90_logp), "pallas" runs JAX through
+  # DLPack; both must give the JAX op's bits.
   import functools
   import jax
-  n, h, v = 300, 1024, 32000
+  n, h, v, chunk, temperature = 300, 1024, 2 * 4096 + 1808, 4096, 0.7
   hidden = (torch.randn(n, h, device="cuda") / 3).to(torch.bfloat16).requires_grad_()
   weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
   targets = torch.randint(0, v, (n,), device="cuda")
-  g = torch.randn(n, device="cuda")
-  logp = rtb.linear_logp(hidden, weight, targets)
-  logp.backward(g)
+  targets[::7] = -100
+  g, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+  logp, entropy = rtb.linear_logp(hidden, weight, targets, temperature=temperature,
+                                  chunk_size=chunk, return_entropy=True,
+                                  implementation=implementation)
+  torch.autograd.backward((logp, entropy), (g, g_ent))
   to_jax = lambda t: jax.dlpack.from_dlpack(t.detach().contiguous())
   f = functools.partial(rlk_jax.linear_logp, targets=to_jax(targets.to(torch.int32)),
-                        return_entropy=True)
+                        temperature=temperature, chunk_size=chunk,
+                        return_entropy=True, implementation=implementation)
   (want, want_ent), vjp = jax.jit(lambda a, b: jax.vjp(f, a, b))(
       to_jax(hidden), to_jax(weight.detach().t()))
-  dh, dw = jax.jit(lambda vjp, g: vjp(g))(vjp, (to_jax(g), jnp.zeros_like(want_ent)))
+  dh, dw = jax.jit(lambda vjp, g: vjp(g))(vjp, (to_jax(g), to_jax(g_ent)))
   back = lambda a: torch.from_dlpack(a)
-  assert torch.equal(logp, back(want))
+  assert torch.equal(logp.view(torch.int32), back(want).view(torch.int32))
+  assert torch.equal(entropy.view(torch.int32), back(want_ent).view(torch.int32))
   assert torch.equal(hidden.grad.view(torch.int16), back(dh).view(torch.int16))
   assert torch.equal(weight.grad.view(torch.int16), back(dw).t().view(torch.int16))

@@ -63,6 +63,41 @@ def test_cuda_graph_replays_det_gemm_pack_and_unpack_with_eager_bits():
     assert same_bits(g, e)
 
 
+def test_cuda_graph_replays_linear_logp_forward_and_backward_with_eager_bits():
+  # The SM90 route launches on torch's stream: a training step's head, loss
+  # and gradients captured whole, replayed on new inputs.
+  n, h, v = 200, 512, 4096 + 808
+  hidden = bf16(n, h, requires_grad=True)
+  weight = (torch.randn(v, h, device="cuda") * 0.05).to(torch.bfloat16)
+  weight.requires_grad_()
+  targets = torch.randint(0, v, (n,), device="cuda")
+
+  def step():
+    logp, entropy = rtb.linear_logp(hidden, weight, targets, temperature=0.8,
+                                    chunk_size=2048, return_entropy=True)
+    loss = -(logp.sum() + 0.01 * entropy.sum())
+    return (logp, entropy,
+            *torch.autograd.grad(loss, (hidden, weight)))
+
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    step()  # warm-up on the capture stream
+  torch.cuda.current_stream().wait_stream(side)
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    got = step()
+  with torch.no_grad():
+    hidden.copy_(bf16(n, h))
+    weight.copy_((torch.randn(v, h, device="cuda") * 0.05).to(torch.bfloat16))
+  targets.copy_(torch.randint(0, v, (n,), device="cuda"))
+  graph.replay()
+  want = step()
+  torch.cuda.synchronize()
+  for i, (g, e) in enumerate(zip(got, want)):
+    assert same_bits(g, e), f"output {i}"
+
+
 def test_cuda_graph_capture_of_a_jax_route_is_a_clear_error():
   a, b = bf16(64, 256), bf16(256, 128)
   rtb.det_gemm(a, b, implementation="pallas")

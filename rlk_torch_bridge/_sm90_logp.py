@@ -1,0 +1,109 @@
+"""linear_logp's ``cuda_ffi`` route launched straight from torch: the kernels
+rlk_jax's ``"cuda_ffi"`` linear_logp runs through XLA FFI (an SM90 det_gemm
+per vocabulary chunk, then the CUDA stats, finish and gradient kernels), on
+the same operands in the same order, so the same bits, on torch's current
+stream: no DLPack, no JAX dispatch, and capturable in a CUDA graph.
+
+rlk_jax takes the weight as ``[H, V]`` and each chunk's products read a
+contiguous ``[H, chunk]`` slice; torch's ``lm_head.weight`` is ``[V, H]``, so
+each chunk is copied to that layout (``weight[c0:c1].t()``, made contiguous
+by the product): the bytes JAX's product reads, one chunk at a time instead
+of the whole weight. Stream order and lifetime hold as for det_gemm's direct
+route (``_sm90``): every kernel is enqueued on torch's current stream on
+torch tensors, and the caching allocator only reuses a freed temporary
+(a chunk's logits, say) behind the kernels already enqueued on that stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import cuda_ffi
+from rlk_torch_bridge import _gemm_op
+from rlk_torch_bridge._sm90 import _current_device
+from rlk_torch_bridge._dlpack import _current_stream_handle
+
+
+def _product(a, b, transpose_a, transpose_b, out_dtype):
+  """rlk::det_mm's own kernel on the SM90 implementation (the product
+  rlk_jax's linear_logp asks det_gemm for)."""
+  return _gemm_op._kernel(a, b, transpose_a, transpose_b, out_dtype,
+                          "cuda_ffi")
+
+
+def _ptrs(*tensors):
+  return [t.data_ptr() for t in tensors]
+
+
+def _on_device_of(fn):
+  """Runs `fn(hidden, ...)` with hidden's GPU as the current device: the
+  CUDA entries launch on the current device."""
+  def run(hidden, *args):
+    if _current_device() == hidden.device.index:
+      return fn(hidden, *args)
+    with torch.cuda.device(hidden.device):
+      return fn(hidden, *args)
+  return run
+
+
+def _chunks(v: int, chunk_size: int):
+  return ((c0, min(c0 + chunk_size, v)) for c0 in range(0, v, chunk_size))
+
+
+@_on_device_of
+def forward(hidden, weight, targets, temperature: float, chunk_size: int):
+  """``(logp, entropy, lse)``, f32 ``[N]`` each: hidden ``[N, H]`` bf16,
+  weight ``[V, H]``, targets int32 ``[N]`` (-1: ignored)."""
+  n, v = hidden.shape[0], weight.shape[0]
+  rows = lambda fill: torch.full((n,), fill, dtype=torch.float32,
+                                 device=hidden.device)
+  if not n:
+    return rows(0.0), rows(0.0), rows(0.0)
+  stream = _current_stream_handle(hidden.device.index)
+  hidden, targets = hidden.contiguous(), targets.contiguous()
+  # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
+  stats = (rows(-math.inf), rows(0.0), rows(0.0), rows(0.0))
+  for c0, c1 in _chunks(v, chunk_size):
+    logits = _product(hidden, weight[c0:c1].t(), False, False, torch.float32)
+    chunk_targets = targets - c0
+    cuda_ffi.launch_logits_stats(stream, logits.data_ptr(),
+                                 chunk_targets.data_ptr(), _ptrs(*stats), n,
+                                 c1 - c0, temperature)
+    del logits  # one chunk's logits alive at a time
+  logp, lse, entropy = (torch.empty_like(stats[0]) for _ in range(3))
+  cuda_ffi.launch_logits_finish(stream, _ptrs(*stats), targets.data_ptr(), n,
+                                v, _ptrs(logp, lse, entropy))
+  return logp, entropy, lse
+
+
+@_on_device_of
+def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
+             temperature: float, chunk_size: int):
+  """``(d hidden [N, H], d weight as [H, V])``: rlk_jax's VJP
+  (``_linear_logp._logp_bwd``), product for product."""
+  (n, h), v = hidden.shape, weight.shape[0]
+  if not n:  # a gradient of no rows
+    return torch.zeros_like(hidden), weight.new_zeros((h, v))
+  stream = _current_stream_handle(hidden.device.index)
+  hidden, targets = hidden.contiguous(), targets.contiguous()
+  # A select, as rlk_jax's: the same bits whatever g_logp holds.
+  g_picked = torch.where((targets >= 0) & (targets < v), g_logp, 0.0)
+  dh = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
+  dw = weight.new_empty((h, v))  # every column is written below
+  for c0, c1 in _chunks(v, chunk_size):
+    w_c = weight[c0:c1].t().contiguous()  # [H, chunk], for both products
+    logits = _product(hidden, w_c, False, False, torch.float32)
+    dlogits = torch.empty((n, c1 - c0), dtype=hidden.dtype,
+                          device=hidden.device)
+    chunk_targets = targets - c0
+    cuda_ffi.launch_logits_grad(
+        stream, logits.data_ptr(),
+        _ptrs(chunk_targets, lse, entropy, g_picked, g_entropy), n, c1 - c0,
+        temperature, dlogits.data_ptr())
+    del logits
+    # rlk_jax sums dh over the chunks in vocabulary order, in f32: so here.
+    dh += _product(dlogits, w_c, False, True, torch.float32)
+    dw[:, c0:c1] = _product(hidden, dlogits, True, False, weight.dtype)
+  return dh.to(hidden.dtype), dw
