@@ -124,6 +124,10 @@ BUDGET_S = flags.DEFINE_float(
     "sweep_budget_s", 0, "Start no new product after this many seconds (0: "
     "no limit); the rows and tables so far are still written, so a device "
     "call with a time limit keeps what it measured.")
+KERNEL_TIMES = flags.DEFINE_bool(
+    "sweep_kernel_times", False, "Also profile each competitor's kernels "
+    "(CUPTI) and note their time per call: kernel against kernel where a "
+    "small product's jitted wall time measures the host's dispatch.")
 JAX_MS = flags.DEFINE_list(
     "sweep_jax_ms", None, "The M values the jitted JAX routes (xla_dot, "
     "rlk_cuda_ffi) run at (default all): each is one XLA compile, plus "
@@ -285,7 +289,8 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
           harness.jax_batch, _rlk_jax(impl, ta, tb), pairs)
   rows = harness.interleaved_rows(BENCH, case, competitors, flops=flops,
                                   iters=iters,
-                                  repeats=3 if smoke else 5, warmup=1)
+                                  repeats=3 if smoke else 5, warmup=1,
+                                  kernel_times=KERNEL_TIMES.value and on_gpu)
   for backend, wanted in (("pallas", PALLAS_CONFIGS), ("triton", TRITON_CONFIGS),
                           ("mosaic_gpu", MOSAIC_CONFIGS)):
     if wanted.value and on_gpu and rlk_ready.get(backend) and m in pallas_ms:
@@ -296,12 +301,16 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
     torch.cuda.empty_cache()  # the next product's JAX buffers need room
   peer = next((r.median_ms for r in rows if r.implementation == "cublas"),
               None)
+  peer_kernel = next((r.kernel_ms for r in rows
+                      if r.implementation == "cublas"), None)
   config = _chosen_config(pm, pn, pk, ta, tb) if any(
       r.implementation.startswith("rlk_cuda_ffi") for r in rows) else None
   for row in rows:
     notes = []
     if peer and row.median_ms and row.implementation != "cublas":
       notes.append(f"{peer / row.median_ms:.2f}x cublas")
+    if peer_kernel and row.kernel_ms and row.implementation != "cublas":
+      notes.append(f"kernels {peer_kernel / row.kernel_ms:.2f}x cublas's")
     if config and row.implementation.startswith("rlk_cuda_ffi"):
       notes.append(f"config {config}")
     row.note = "; ".join(filter(None, [row.note, *notes]))

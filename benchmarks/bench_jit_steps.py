@@ -234,43 +234,25 @@ def _train_case(sizes, capacity):
 
 
 def _overhead_note(run_batch, calls: int, steps: int = 200) -> str:
-  """The training step's time beyond its kernels, from one CUPTI trace
-  (torch.profiler sees XLA's kernels, graph-launched ones too) of `steps`
-  steps run back to back: over the second half of them, wall time is the
-  span from the first kernel's start to the last one's end, and kernel time
-  the part of it in which some kernel ran. Both come from the same stretch
-  on a card as hot as in the timed rounds. (Set against kernels profiled
-  apart from the timed rounds, the figure would measure the card instead:
-  a power-capped H100 runs the same kernels 5-8% faster or slower with its
-  recent load.)"""
-  torch = harness.torch_or_none()
-  if torch is None:
-    return ""
-  from torch.profiler import ProfilerActivity, profile
-  with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    run_batch(steps)
-  spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type.name == "CUDA")
-  per_step = len(spans) // (steps * calls)
-  if not per_step:
+  """The training step's time beyond its kernels, from one CUPTI trace of
+  `steps` steps run back to back (`harness.cupti_kernel_time`: wall and
+  kernel time from the same stretch; set against kernels profiled apart
+  from the timed rounds, the figure would measure the card instead: a
+  power-capped H100 runs the same kernels 5-8% faster or slower with its
+  recent load), and what a step costs more when the host waits on each."""
+  seen = harness.cupti_kernel_time(run_batch, steps, calls)
+  if seen is None:
     return "profiled: no kernels seen"
-  counted = steps * calls // 2
-  hot = spans[-counted * per_step:]
-  busy_us, reach = 0.0, hot[0][0]
-  for start, end in hot:  # the union of the intervals: overlaps count once
-    busy_us += max(0.0, end - max(start, reach))
-    reach = max(reach, end)
-  wall_us = reach - hot[0][0]
+  wall_ms, kernel_ms = seen
   # A loop that waits on every step also pays the dispatch and the wait
   # once per step: one step alone against one of 16 back to back.
   alone, in_16 = (harness.time_batches(lambda n, k=k: [run_batch(k)
                                                        for _ in range(n)],
                                        iters=5) / k / calls for k in (1, 16))
-  return (f"last {counted} of {steps * calls} steps back to back (CUPTI): "
-          f"{wall_us / counted / 1e3:.3f} ms wall, kernels "
-          f"{busy_us / counted / 1e3:.3f} ms, overhead "
-          f"{(wall_us / busy_us - 1) * 100:.1f}%; a step waited on alone "
-          f"+{alone - in_16:.3f} ms")
+  return (f"last {steps * calls // 2} of {steps * calls} steps back to back "
+          f"(CUPTI): {wall_ms:.3f} ms wall, kernels {kernel_ms:.3f} ms, "
+          f"overhead {(wall_ms / kernel_ms - 1) * 100:.1f}%; a step waited "
+          f"on alone +{alone - in_16:.3f} ms")
 
 
 def _torch_graph_rows(smoke: bool) -> list[Row]:

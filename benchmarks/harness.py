@@ -30,7 +30,7 @@ REPEATS = flags.DEFINE_integer("repeats", 15, "Timed batches per case (median)."
 
 COLUMNS = ("date", "commit", "device", "benchmark", "case", "implementation",
            "median_ms", "gbps", "tflops", "floor_ms", "ratio_to_floor",
-           "peak_mem_mb", "note")
+           "peak_mem_mb", "note", "kernel_ms")
 
 
 @dataclasses.dataclass
@@ -44,6 +44,7 @@ class Row:
   peak_mem_mb: float | None = None
   note: str = ""
   tflops: float | None = None
+  kernel_ms: float | None = None  # the kernels' own time per call (CUPTI)
 
   @property
   def ratio_to_floor(self) -> float | None:
@@ -170,6 +171,36 @@ def jax_batch(fn: Callable, arg_sets: Sequence[tuple]):
   return batch, len(arg_sets)
 
 
+def cupti_kernel_time(run_batch: Callable, batches: int,
+                      calls_per_batch: int) -> tuple[float, float] | None:
+  """``(wall_ms, kernel_ms)`` per call over the second half of `batches`
+  batches run back to back under one CUPTI trace (torch.profiler; it sees
+  XLA's kernels too, graph-launched ones included): wall is the span from
+  that half's first kernel start to its last kernel end, kernel time the
+  part of it in which some kernel ran (the union of the kernels'
+  intervals). Both come from the same stretch, on a card as hot as in the
+  timed rounds. None without torch or when no kernel was seen."""
+  torch = torch_or_none()
+  if torch is None:
+    return None
+  from torch.profiler import ProfilerActivity, profile
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    run_batch(batches)
+  spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA")
+  calls = batches * calls_per_batch
+  per_call = len(spans) // calls
+  if not per_call:
+    return None
+  counted = calls // 2 or 1
+  hot = spans[-counted * per_call:]
+  busy_us, reach = 0.0, hot[0][0]
+  for start, end in hot:  # overlapping kernels count once
+    busy_us += max(0.0, end - max(start, reach))
+    reach = max(reach, end)
+  return (reach - hot[0][0]) / counted / 1e3, busy_us / counted / 1e3
+
+
 def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
              repeats: int | None = None) -> float:
   """Median device milliseconds per call of `fn`, over distinct `arg_sets`
@@ -202,10 +233,13 @@ def timed_row(benchmark, case, implementation, fn, arg_sets, *, nbytes=None,
 
 def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
                      flops=None, iters: int = 10, repeats: int | None = None,
-                     warmup: int = 2) -> list[Row]:
+                     warmup: int = 2, kernel_times: bool = False) -> list[Row]:
   """Rows for competitors timed against each other by time_interleaved.
   `competitors[name]()` builds its `(run_batch, calls)` (jax_batch,
-  torch_batch); one that fails to build is a row with the error."""
+  torch_batch); one that fails to build is a row with the error. With
+  `kernel_times`, each row's note also gets its kernels' time per call
+  (`cupti_kernel_time` over 2 x iters batches): kernel against kernel,
+  where a small product's wall time measures the host's dispatch."""
   batches, failed = {}, {}
   for name, make in competitors.items():
     try:
@@ -224,8 +258,13 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
       rows.append(progress(failed[name]))
       continue
     ms = times[name]
-    rows.append(progress(Row(benchmark, case, name, ms,
-                             tflops=flops / ms / 1e9 if flops else None)))
+    row = Row(benchmark, case, name, ms,
+              tflops=flops / ms / 1e9 if flops else None)
+    if kernel_times:
+      run, calls = batches[name]
+      seen = cupti_kernel_time(run, 2 * iters, calls)
+      row.kernel_ms = seen[1] if seen else None
+    rows.append(progress(row))
   return rows
 
 
