@@ -51,8 +51,9 @@ def _program_inputs(rng):
 
 
 def _program(x, mask, weights, head, targets):
-  """A packed forward and the gradient of its log-probs: every rlk call
-  (pack's, det_gemm's both ways, linear_logp's forward and backward)."""
+  """A packed forward, the gradient of its log-probs and a PackInfo: every
+  rlk FFI call (pack's three, det_gemm's both ways, linear_logp's forward
+  and backward)."""
   def loss(weights, head):
     packed, info = rlk_jax.pack(x, mask, capacity=384)
     labels = rlk_jax.pack(targets, info, fill_value=-100)[0]
@@ -63,7 +64,10 @@ def _program(x, mask, weights, head, targets):
     return logp.sum(), (rlk_jax.unpack(h, info), logp)
 
   grads, outputs = jax.grad(loss, argnums=(0, 1), has_aux=True)(weights, head)
-  return jax.tree.leaves((outputs, grads))
+  # The metadata kernels on their own (pack from a mask above takes the
+  # one-kernel route at this size).
+  info = rlk_jax.pack_info(mask, capacity=384, implementation="cuda_ffi")
+  return jax.tree.leaves((outputs, grads, info.cu_seqlens, info.gather_map))
 
 
 @on_sm90
@@ -74,8 +78,9 @@ def test_every_rlk_call_runs_in_a_command_buffer_with_op_by_op_bits(rng,
   compiled = lowered.compile()
   hlo_calls = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
   assert hlo_calls and all(t.startswith("rlk_") for t in hlo_calls), hlo_calls
-  assert {"rlk_det_gemm_sm90", "rlk_logits_stats", "rlk_logits_finish",
-          "rlk_logits_grad"} <= set(hlo_calls)
+  assert {"rlk_det_gemm_sm90", "rlk_pack_rows", "rlk_pack_info",
+          "rlk_gather_rows", "rlk_logits_stats", "rlk_logits_finish",
+          "rlk_logits_grad"} <= set(hlo_calls), set(hlo_calls)
   sequence = thunk_sequence(lowered, tmp_path)
   assert sequence, ("no thunk pass changed the program (nothing captured): "
                     f"{sorted(p.name for p in tmp_path.iterdir())[:40]}")

@@ -31,6 +31,24 @@ def bf16(*shape, requires_grad=False):
       requires_grad)
 
 
+def captured(step):
+  """(graph, outputs): `step()` run once eagerly and once on a side stream
+  (the warm-up torch's CUDA-graph notes ask for), then recorded into a
+  CUDA graph."""
+  step()
+  torch.cuda.synchronize()
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    step()  # warm-up on the capture stream
+  torch.cuda.current_stream().wait_stream(side)
+  graph = torch.cuda.CUDAGraph()
+  # thread_local: JAX's own threads may touch CUDA during the capture.
+  with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    outputs = step()
+  return graph, outputs
+
+
 def test_cuda_graph_replays_det_gemm_pack_and_unpack_with_eager_bits():
   a, w = bf16(300, 1024), bf16(768, 1024)
   mask = torch.rand(8, 64, device="cuda") < 0.5
@@ -41,17 +59,7 @@ def test_cuda_graph_replays_det_gemm_pack_and_unpack_with_eager_bits():
     return (rtb.det_gemm(a, w, transpose_b=True), packed,
             rtb.unpack(packed * 2, info), info.cu_seqlens)
 
-  want = step()
-  torch.cuda.synchronize()
-  side = torch.cuda.Stream()
-  side.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(side):
-    step()  # warm-up on the capture stream
-  torch.cuda.current_stream().wait_stream(side)
-  graph = torch.cuda.CUDAGraph()
-  # thread_local: JAX's own threads may touch CUDA during the capture.
-  with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-    got = step()
+  graph, got = captured(step)
   # New inputs in the captured buffers: the replay must read them.
   a.copy_(bf16(300, 1024))
   x.copy_(torch.randn(8, 64, 256, device="cuda"))
@@ -79,14 +87,7 @@ def test_cuda_graph_replays_linear_logp_forward_and_backward_with_eager_bits():
     return (logp, entropy,
             *torch.autograd.grad(loss, (hidden, weight)))
 
-  side = torch.cuda.Stream()
-  side.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(side):
-    step()  # warm-up on the capture stream
-  torch.cuda.current_stream().wait_stream(side)
-  graph = torch.cuda.CUDAGraph()
-  with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-    got = step()
+  graph, got = captured(step)
   with torch.no_grad():
     hidden.copy_(bf16(n, h))
     weight.copy_((torch.randn(v, h, device="cuda") * 0.05).to(torch.bfloat16))
