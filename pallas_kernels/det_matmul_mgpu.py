@@ -107,6 +107,12 @@ CONFIGS = {
     "256x128_c2m": MgpuConfig(128, 128, "m", epilogue_n=32, chain=True,
                               cluster="m"),
     "256x192_c2m": MgpuConfig(128, 192, "m", epilogue_n=32, cluster="m"),
+    # Half-size CTA tiles for small products (M <= 512, say), where 128x256
+    # tiles leave most of the 132 SMs idle: twice the CTAs. (A 64x64 CTA,
+    # MgpuConfig(64, 32), does not lower with B stored [K, N]: a 32-column
+    # slice of a 128-byte-swizzled tile.)
+    "64x128": MgpuConfig(64, 64, "n"),
+    "128x64": MgpuConfig(64, 64, "m"),
 }
 
 
@@ -114,12 +120,14 @@ CONFIGS = {
 # (H100, 2026-11-23/24: geomeans over llama3.1-8b's qkv, gate_up and down
 # at M=4096, forward, dA and dB, det_gemm_sweep --sweep_mosaic_gpu_configs;
 # records det_gemm_mosaic_configs-e4fbcd4/ and det_gemm_mosaic_tiles-312929d/
-# under benchmarks/results/). Alone, a fourth stage, a chained pipeline or
-# one wgmma group in flight measured no faster than 128x256
-# (det_gemm_mosaic_variants-fcf59d7/).
+# under benchmarks/results/; 64x128 and 128x64 from llama3.1-8b's o and qkv
+# dA at M=4096, det_gemm_mosaic_small_tiles-e2be270/). Alone, a fourth
+# stage, a chained pipeline or one wgmma group in flight measured no faster
+# than 128x256 (det_gemm_mosaic_variants-fcf59d7/).
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
                "64x256": 0.75, "256x192": 0.98, "128x192": 0.93,
-               "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98}
+               "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98,
+               "64x128": 0.55, "128x64": 0.62}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
