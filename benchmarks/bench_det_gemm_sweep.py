@@ -373,7 +373,9 @@ def _tile_kernel(backend):
 
 def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
   """Every tile config of `backend` on one product, interleaved, with a
-  check that their bits agree."""
+  check that their bits agree. With --sweep_kernel_times the table keeps
+  each config's kernel time (a small product's jitted wall time measures
+  the host's dispatch, the same for every config)."""
   from rlk_jax import _gemm_tuning
   fns = {name: functools.partial(_tile_kernel(backend), transpose_a=ta,
                                  transpose_b=tb, config=cfg)
@@ -384,11 +386,13 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
   rows = harness.interleaved_rows(
       BENCH, case, {f"{backend} {name}": (lambda f=f: harness.jax_batch(f, pairs))
                     for name, f in fns.items()},
-      iters=iters, repeats=5, warmup=1)
+      iters=iters, repeats=5, warmup=1, kernel_times=KERNEL_TIMES.value)
   _TILE_TIMES.setdefault(backend, {})[
       _gemm_tuning.pallas_key(m, n, k, ta, tb)] = {
           "m": m, "bits_equal": same,
-          "ms": {r.implementation.split()[1]: r.median_ms for r in rows}}
+          "ms": {r.implementation.split()[1]:
+                 r.kernel_ms if KERNEL_TIMES.value else r.median_ms
+                 for r in rows}}
 
 
 def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
