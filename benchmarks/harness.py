@@ -237,8 +237,9 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
   """Rows for competitors timed against each other by time_interleaved.
   `competitors[name]()` builds its `(run_batch, calls)` (jax_batch,
   torch_batch); one that fails to build is a row with the error. With
-  `kernel_times`, each row's note also gets its kernels' time per call
-  (`cupti_kernel_time` over 2 x iters batches): kernel against kernel,
+  `kernel_times`, each row also gets its kernels' time per call
+  (`kernel_ms`: `cupti_kernel_time` over 2 x iters batches; a profiler that
+  fails leaves it empty and says why in the note): kernel against kernel,
   where a small product's wall time measures the host's dispatch."""
   batches, failed = {}, {}
   for name, make in competitors.items():
@@ -262,7 +263,10 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
               tflops=flops / ms / 1e9 if flops else None)
     if kernel_times:
       run, calls = batches[name]
-      seen = cupti_kernel_time(run, 2 * iters, calls)
+      try:
+        seen = cupti_kernel_time(run, 2 * iters, calls)
+      except Exception as e:  # noqa: BLE001 - the time stands without it
+        seen, row.note = None, f"kernel time failed: {type(e).__name__}: {e}"[:160]
       row.kernel_ms = seen[1] if seen else None
     rows.append(progress(row))
   return rows
@@ -330,8 +334,14 @@ def write_csv(rows: Sequence[Row], path: str) -> None:
   new = not os.path.exists(path)
   stamp = dict(date=datetime.date.today().isoformat(), commit=commit(),
                device=device_name())
+  # Appending to a CSV written before a column was added: its own header's
+  # columns, so every row stays aligned with it.
+  columns = COLUMNS
+  if not new:
+    with open(path, newline="") as f:
+      columns = next(csv.reader(f), COLUMNS)
   with open(path, "a", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
     if new:
       writer.writeheader()
     for row in rows:

@@ -181,8 +181,19 @@ def _dlogits(logits, targets, lse, entropy, g_picked, g_ent, temperature):
 def _dlogits_sm90(logits, targets, lse, entropy, g_picked, g_ent, temperature):
   # A CUDA kernel rather than XLA's fusion: the torch bridge launches the
   # same kernel, so its gradients have these bits (XLA's exp is not torch's).
-  return cuda_ffi.logits_grad(logits, targets, lse, entropy, g_picked, g_ent,
-                              temperature=temperature)
+  # On several devices it runs on each device's rows (an FFI call is opaque
+  # to XLA's partitioner, which would gather every row onto every device).
+  args = (logits, targets, lse, entropy, g_picked, g_ent)
+  if _sharding.multi_device():
+    return _partitioned_dlogits(float(temperature))(*args)[0]
+  return cuda_ffi.logits_grad(*args, temperature=temperature)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned_dlogits(temperature):
+  return _sharding.rowwise(
+      lambda *args: (cuda_ffi.logits_grad(*args, temperature=temperature),),
+      ranks=(2, 1, 1, 1, 1, 1), out_ranks=(2,))
 
 
 _logp.defvjp(_logp_fwd, _logp_bwd)

@@ -65,6 +65,36 @@ def partitioned_product(local, transpose_a: bool, transpose_b: bool):
   return product
 
 
+def rowwise(local, ranks: tuple[int, ...], out_ranks: tuple[int, ...]):
+  """`local(*arrays)` returning a tuple of arrays, where every argument and
+  result is indexed by rows on its leading axis (rank 1: ``[N]``; rank 2:
+  ``[N, C]``, one C for all), partitioned over rows only: each device runs
+  the kernel on its own rows. A row's result depends on that row alone
+  (linear_logp's d logits kernel), so the rows are bitwise the unsharded
+  ones; C is never split (a chunk's columns are indexed by its targets)."""
+
+  @custom_partitioning
+  def rows(*args):
+    return local(*args)
+
+  def sharding(mesh, n_axis, rank):
+    return NamedSharding(mesh, PartitionSpec(n_axis, *[None] * (rank - 1)))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    spec = arg_shapes[0].sharding.spec
+    n_axis = spec[0] if len(spec) else None
+    return (mesh, local,
+            tuple(sharding(mesh, n_axis, r) for r in out_ranks),
+            tuple(sharding(mesh, n_axis, r) for r in ranks))
+
+  factors = lambda rs: ", ".join("n" if r == 1 else "n c" for r in rs)
+  rows.def_partition(partition,
+                     sharding_rule=f"{factors(ranks)} -> {factors(out_ranks)}",
+                     need_replication_factors=("c",))
+  return rows
+
+
 def partitioned_rows(local, n_outputs: int):
   """`local(hidden [N, H], weight [H, V], targets [N])` returning
   `n_outputs` per-row arrays ``[N]`` (linear_logp's forward), partitioned

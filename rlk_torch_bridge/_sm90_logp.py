@@ -48,6 +48,12 @@ def _on_device_of(fn):
   return run
 
 
+def _int32(targets):
+  # The kernels read int32 ids (what the public function passes; a direct
+  # call of the operator may hand int64 ones).
+  return targets.to(torch.int32).contiguous()
+
+
 def _chunks(v: int, chunk_size: int):
   return ((c0, min(c0 + chunk_size, v)) for c0 in range(0, v, chunk_size))
 
@@ -62,7 +68,7 @@ def forward(hidden, weight, targets, temperature: float, chunk_size: int):
   if not n:
     return rows(0.0), rows(0.0), rows(0.0)
   stream = _current_stream_handle(hidden.device.index)
-  hidden, targets = hidden.contiguous(), targets.contiguous()
+  hidden, targets = hidden.contiguous(), _int32(targets)
   # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
   stats = (rows(-math.inf), rows(0.0), rows(0.0), rows(0.0))
   for c0, c1 in _chunks(v, chunk_size):
@@ -87,7 +93,10 @@ def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
   if not n:  # a gradient of no rows
     return torch.zeros_like(hidden), weight.new_zeros((h, v))
   stream = _current_stream_handle(hidden.device.index)
-  hidden, targets = hidden.contiguous(), targets.contiguous()
+  hidden, targets = hidden.contiguous(), _int32(targets)
+  lse, entropy, g_logp, g_entropy = (
+      t.to(torch.float32).contiguous() for t in (lse, entropy, g_logp,
+                                                 g_entropy))
   # A select, as rlk_jax's: the same bits whatever g_logp holds.
   g_picked = torch.where((targets >= 0) & (targets < v), g_logp, 0.0)
   dh = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)

@@ -105,6 +105,29 @@ def test_linear_logp_token_sharded_forward_and_gradients(impl, mesh, rng):
   assert "all-gather" not in hlo, "the forward gathered its tokens"
 
 
+def test_rowwise_kernels_stay_on_their_rows(mesh, rng):
+  # _sharding.rowwise (what linear_logp's d-logits FFI call runs under):
+  # each device computes its own rows, bitwise the unsharded result.
+  from rlk_jax import _sharding
+  n, c = 64, 40
+  logits = random_array(rng, (n, c), jnp.float32)
+  scale = random_array(rng, (n,), jnp.float32)
+  rows = lambda local: jax.jit(
+      lambda x, s: _sharding.rowwise(local, (2, 1), (2,))(x, s)[0])
+  f = rows(lambda x, s: (x * s[:, None],))  # one rounding: the same anywhere
+  sharded = (put(mesh, logits, "data"), put(mesh, scale, "data"))
+  got = f(*sharded)
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+  assert_bitwise_equal(got, f(single(logits), single(scale)))
+  # A local opaque to XLA's partitioner, as an FFI call is (compiled only:
+  # without the rule every row is gathered onto every device).
+  opaque = rows(lambda x, s: (jax.pure_callback(
+      lambda a, b: a * b[:, None], jax.ShapeDtypeStruct(x.shape, x.dtype),
+      x, s),))
+  hlo = opaque.lower(*sharded).compile().as_text()
+  assert "all-gather" not in hlo, hlo[:2000]
+
+
 def test_scaling_benchmark_measures_every_case(tmp_path):
   # The main job's scaling section, on this process's devices (the child
   # inherits the device set-up through the environment).

@@ -97,3 +97,17 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   pngs = sorted(p.name for p in out.glob("*.png"))
   assert "invariance.png" in pngs and "bridge_overhead.png" in pngs, pngs
   assert all(f"![{p}]({p})" in report for p in pngs)
+
+
+def test_appending_to_a_csv_from_before_a_new_column_keeps_rows_aligned(tmp_path):
+  path = str(tmp_path / "results.csv")
+  with open(path, "w", newline="") as f:
+    csv.writer(f).writerow(harness.COLUMNS[:-1])  # written before kernel_ms
+  harness.write_csv([harness.Row("b", "c", "i", 1.5, kernel_ms=0.5)], path)
+  header, row = list(csv.reader(open(path, newline="")))
+  assert header == list(harness.COLUMNS[:-1]) and len(row) == len(header)
+  assert row[header.index("median_ms")] == "1.5"
+  fresh = str(tmp_path / "fresh.csv")
+  harness.write_csv([harness.Row("b", "c", "i", 1.5, kernel_ms=0.5)], fresh)
+  header, row = list(csv.reader(open(fresh, newline="")))
+  assert row[header.index("kernel_ms")] == "0.5"

@@ -13,9 +13,10 @@
 // of exp * logit), then the warp merges the 32 partial states by an xor
 // butterfly. Every step depends only on the row's own logits and the fixed
 // lane mapping, never on the number of rows, so a row's stats are the same
-// bits in any batch. The merge is commutative bit for bit (IEEE sums and
-// products are), so every lane ends with the same state. The finish and
-// gradient kernels are elementwise over a row's own values.
+// bits in any batch. Only lane 0's state is stored, merged in a fixed
+// order (nvcc may contract the merge into FMAs, so other lanes can hold
+// other bits; none is read). The finish and gradient kernels are
+// elementwise over a row's own values.
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
