@@ -57,8 +57,9 @@ class MgpuConfig:
   next tile's first K steps during this tile's last ones and its epilogue
   (where a stage count divides K's steps). `epilogue_n`: the width of the
   epilogue's shared-memory sub-tiles at a 16-bit output (32 leaves room
-  for a fourth 128x256 stage). None of them changes the order of an
-  element's sum."""
+  for a fourth 128x256 stage). `compute_wgs`: 2, or 1 for a CTA of one
+  warpgroup's tile (`split` unused): small CTAs for small products. None of
+  them changes the order of an element's sum."""
   tile_m: int = 128
   tile_n: int = 128
   split: str = "n"
@@ -67,14 +68,21 @@ class MgpuConfig:
   cluster: str | None = None
   chain: bool = False
   epilogue_n: int = 64
+  compute_wgs: int = 2
 
   @property
   def cta_m(self) -> int:
-    return self.tile_m * (2 if self.split == "m" else 1)
+    return self.tile_m * (2 if self.wg_split == "m" else 1)
 
   @property
   def cta_n(self) -> int:
-    return self.tile_n * (2 if self.split == "n" else 1)
+    return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+  @property
+  def wg_split(self) -> str | None:
+    """How the CTA's tile splits between its compute warpgroups ("m",
+    "n"; None for one warpgroup)."""
+    return self.split if self.compute_wgs == 2 else None
 
   @property
   def cluster_m(self) -> int:
@@ -113,6 +121,12 @@ CONFIGS = {
     # slice of a 128-byte-swizzled tile.)
     "64x128": MgpuConfig(64, 64, "n"),
     "128x64": MgpuConfig(64, 64, "m"),
+    # One compute warpgroup's 64x64 tile per CTA: four times 128x128's CTAs.
+    # Lowered and interpreted on the CPU, not yet run on a GPU, so the rule
+    # never picks it (efficiency 0) until the device tests and a timing say
+    # so. (64x32 does not lower with B stored [K, N]: no wgmma layout for a
+    # 64-byte-swizzled B.)
+    "64x64": MgpuConfig(64, 64, compute_wgs=1),
 }
 
 
@@ -127,7 +141,7 @@ CONFIGS = {
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
                "64x256": 0.75, "256x192": 0.98, "128x192": 0.93,
                "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98,
-               "64x128": 0.55, "128x64": 0.62}
+               "64x128": 0.55, "128x64": 0.62, "64x64": 0}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
@@ -193,9 +207,12 @@ def _interpreter(plgpu):
   return params()
 
 
-def _swizzled(plgpu, itemsize: int):
-  return (plgpu.TilingTransform((8, _SWIZZLE // itemsize)),
-          plgpu.SwizzleTransform(_SWIZZLE))
+def _swizzled(plgpu, itemsize: int, minor: int):
+  """A shared-memory tile's transforms: the widest swizzle its rows of
+  `minor` elements fill (128 bytes; 64 for a 32-wide bf16 tile)."""
+  swizzle = min(_SWIZZLE, minor * itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
 
 
 def _stages(cfg: MgpuConfig, itemsize: int, out_itemsize: int,
@@ -247,7 +264,6 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
   out_transforms = (
       plgpu.TilingTransform((8, out_swizzle // out_itemsize)),
       plgpu.SwizzleTransform(out_swizzle))
-  transforms = _swizzled(plgpu, itemsize)
   # The two CTAs of a cluster along N read the same A tile (along M, the
   # same B tile): each loads half of it and multicasts it to both.
   shares_a = ("cluster",) if cfg.cluster == "n" else ()
@@ -256,18 +272,19 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
   a_spec = plgpu.BlockSpec(
       (BLOCK_K, cta_m) if transpose_a else (cta_m, BLOCK_K),
       (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
-      transforms=transforms, memory_space=plgpu.SMEM,
-      collective_axes=shares_a)
+      transforms=_swizzled(plgpu, itemsize, cta_m if transpose_a else BLOCK_K),
+      memory_space=plgpu.SMEM, collective_axes=shares_a)
   b_spec = plgpu.BlockSpec(
       (cta_n, BLOCK_K) if transpose_b else (BLOCK_K, cta_n),
       (lambda kk: (0, kk)) if transpose_b else (lambda kk: (kk, 0)),
-      transforms=transforms, memory_space=plgpu.SMEM,
-      collective_axes=shares_b)
+      transforms=_swizzled(plgpu, itemsize, BLOCK_K if transpose_b else cta_n),
+      memory_space=plgpu.SMEM, collective_axes=shares_b)
 
   def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+        wg_axis="wg", num_compute_wgs=cfg.compute_wgs,
+        max_concurrent_steps=stages,
         compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
@@ -275,7 +292,7 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
+      out_smem=plgpu.SMEM((cfg.compute_wgs, slots, epi_m, epi_n), out_dtype,
                           transforms=out_transforms),
       collective_axes="wg")
   def _scope(allocations, out_smem):
@@ -292,8 +309,8 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, m, n, k, transpose_a, transpose_b,
         ni = ni * 2 + cta
       # Both CTAs of a cluster hold rows and columns (_whole_clusters).
       rows, cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
-      wg_rows = pl.ds(wg * tm, tm) if cfg.split == "m" else slice(None)
-      wg_cols = pl.ds(wg * tn, tn) if cfg.split == "n" else slice(None)
+      wg_rows = pl.ds(wg * tm, tm) if cfg.wg_split == "m" else slice(None)
+      wg_cols = pl.ds(wg * tn, tn) if cfg.wg_split == "n" else slice(None)
 
       def compute(run_pipeline):
         # A fresh accumulator per output tile (zeroed at allocation).
@@ -387,7 +404,7 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
                         transpose_b=transpose_b, cfg=cfg),
       out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
       grid=(max(1, min(num_sms // cfg.ctas, tiles)),), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
+      num_threads=cfg.compute_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params)(a, b)

@@ -59,6 +59,17 @@ def test_chained_configs_lower_with_the_chained_pipeline(config):
   _assert_lowers_for_cuda(config, 1001, 4104, 1000)
 
 
+def test_one_warpgroup_ctas_are_never_the_rules_pick_until_measured():
+  # 64x64 (one compute warpgroup) has run only in the interpreter.
+  choose, names = det_matmul_mgpu.choose_config, {
+      cfg: name for name, cfg in det_matmul_mgpu.CONFIGS.items()}
+  for m, n in itertools.product((1, 64, 128, 256, 512, 4096),
+                                (64, 768, 2048, 14336)):
+    assert names[choose(m, n, 132)] != "64x64", (m, n)
+  cfg = det_matmul_mgpu.CONFIGS["64x64"]
+  assert (cfg.cta_m, cfg.cta_n, cfg.wg_split) == (64, 64, None)
+
+
 def test_pipeline_depth_fits_shared_memory_and_divides_chained_k_steps():
   stages, config = det_matmul_mgpu._stages, det_matmul_mgpu.MgpuConfig
   # 128x256 stages are 48 KiB: three fit beside a 64x64 epilogue, four
@@ -81,7 +92,8 @@ def test_pipeline_depth_fits_shared_memory_and_divides_chained_k_steps():
 def test_interpreted_products_are_accurate_at_ragged_shapes(ta, tb, rng):
   for (m, n, k), out, config in ((( 200, 136, 104), jnp.float32, "128x256"),
                                  ((72, 264, 520), jnp.bfloat16, "256x128"),
-                                 ((1, 64, 64), jnp.float32, "64x256")):
+                                 ((1, 64, 64), jnp.float32, "64x256"),
+                                 ((130, 72, 200), jnp.float32, "64x64")):
     a, b = _operands(rng, m, n, k, ta, tb)
     got = det_matmul_mgpu.matmul(a, b, transpose_a=ta, transpose_b=tb,
                                  out_dtype=out, num_sms=3, interpret=True,
