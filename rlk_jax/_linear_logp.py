@@ -42,11 +42,16 @@ def _pallas(hidden, weight, targets, temperature, chunk_size, *, interpret):
                                  temperature=temperature, interpret=interpret)
 
 
+def _no_rows():
+  """(logp, lse, entropy) of zero rows: no launch for an empty grid."""
+  return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
+
+
 def _triton(hidden, weight, targets, temperature, chunk_size):
   del chunk_size  # fused, like "pallas"
   n = hidden.shape[0]
-  if not n:  # no launch for an empty grid
-    return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
+  if not n:
+    return _no_rows()
   return triton_logp.linear_logp(hidden, weight, targets,
                                  temperature=temperature,
                                  config=logp_kernel.DEFAULT_CONFIG)
@@ -61,8 +66,8 @@ def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
   # finish is a CUDA kernel too, so the torch bridge's route, which launches
   # the same kernels in the same order, has these bits.
   n, v = hidden.shape[0], weight.shape[1]
-  if not n:  # no launch for an empty grid
-    return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
+  if not n:
+    return _no_rows()
   stats = logp_kernel.initial_stats(n)
   for c0 in range(0, v, chunk_size):  # a fixed order: the same every call
     logits = _det_gemm.det_gemm(hidden, weight[:, c0:c0 + chunk_size],

@@ -11,6 +11,8 @@ kernel that reads it ran.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import cuda_ffi
@@ -41,15 +43,18 @@ def product_launcher(m: int, n: int, k: int, transpose_a: bool,
     a, b = _aligned(a), _aligned(b)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     index = a.device.index
-    # The library launches on the current device (what its TMA descriptors
-    # and SM count are read for): make it a's only when it is not already.
-    if _current_device() == index:
+    with on_device(index):
       launch(a.data_ptr(), b.data_ptr(), c.data_ptr(),
              _current_stream_handle(index))
-    else:
-      with torch.cuda.device(index):
-        launch(a.data_ptr(), b.data_ptr(), c.data_ptr(),
-               _current_stream_handle(index))
     return c
   return product
+
+
+def on_device(index: int):
+  """A context in which `index` is the current CUDA device. The library
+  launches on the current device (what its TMA descriptors and SM count are
+  read for); switching costs a few us, so only when it is another."""
+  if _current_device() == index:
+    return contextlib.nullcontext()
+  return torch.cuda.device(index)
 

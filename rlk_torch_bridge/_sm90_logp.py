@@ -21,8 +21,7 @@ import math
 import torch
 
 import cuda_ffi
-from rlk_torch_bridge import _gemm_op
-from rlk_torch_bridge._sm90 import _current_device
+from rlk_torch_bridge import _gemm_op, _sm90
 from rlk_torch_bridge._dlpack import _current_stream_handle
 
 
@@ -41,9 +40,7 @@ def _on_device_of(fn):
   """Runs `fn(hidden, ...)` with hidden's GPU as the current device: the
   CUDA entries launch on the current device."""
   def run(hidden, *args):
-    if _current_device() == hidden.device.index:
-      return fn(hidden, *args)
-    with torch.cuda.device(hidden.device):
+    with _sm90.on_device(hidden.device.index):
       return fn(hidden, *args)
   return run
 

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rlk_jax
+from benchmarks import bench_jit_steps as steps
 from benchmarks import harness, xla_dump
 
 B, S, H = 32, 1024, 4096
@@ -51,10 +52,6 @@ def _pack_cases():
   }
 
 
-def _xla_dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
-
-
 def _gemm_cases():
   cases = {}
   # Decode products, then M=256 products where the Mosaic GPU kernel reads
@@ -70,14 +67,13 @@ def _gemm_cases():
               jax.random.normal(keys[16 + i], (k, n), jnp.float32).astype(jnp.bfloat16))
              for i in range(16)]
     for impl in impls:
-      fn = _xla_dot if impl == "xla" else functools.partial(
+      fn = steps._xla_gemm if impl == "xla" else functools.partial(
           rlk_jax.det_gemm, implementation=impl)
       cases[f"det_gemm {impl} M={m} {k}->{n}"] = (fn, pairs)
   return cases
 
 
 def _train_step_cases():
-  from benchmarks import bench_jit_steps as steps
   capacity, args = steps._train_inputs(steps._sizes(smoke=False))
   return {
       f"packed training step {impl}": (

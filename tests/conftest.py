@@ -116,6 +116,21 @@ def assert_same_gradients(rng, m, k, n, impl, other):
   assert_bitwise_equal(db, o_db, f"dB {impl} vs {other}")
 
 
+def dense_logp_grads(logits, targets, g_logp, g_entropy, temperature):
+  """float64 (lse, entropy, d loss / d logits) of rows of raw logits, for the
+  loss sum(g_logp * logp + g_entropy * entropy); targets outside the row
+  pick nothing (pass g_logp already 0 where a target is ignored)."""
+  x = np.asarray(logits, np.float64) / temperature
+  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+  p = np.exp(x - lse[:, None])
+  mean = (p * x).sum(1)
+  onehot = np.arange(x.shape[1])[None, :] == np.asarray(targets)[:, None]
+  g = np.asarray(g_logp, np.float64)[:, None]
+  ge = np.asarray(g_entropy, np.float64)[:, None]
+  d = g * (onehot - p) - ge * p * (x - mean[:, None])
+  return lse, lse - mean, d / temperature
+
+
 def random_array(rng, shape, dtype):
   """Random values in `dtype`, never all zeros; ints span a wide range."""
   dtype = jnp.dtype(dtype)

@@ -17,7 +17,7 @@ import cuda_ffi
 import rlk_jax
 from rlk_jax import _det_gemm
 from conftest import (ON_GPU, assert_bitwise_equal, assert_same_gradients,
-                      random_array, relative_error)
+                      dense_logp_grads, random_array, relative_error)
 
 ON_SM90 = ON_GPU and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 pytestmark = [pytest.mark.gpu,
@@ -398,22 +398,6 @@ def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
     stats = got
 
 
-def _dense_logp_grads(logits, targets, g_logp, g_entropy, temperature):
-  """float64 (lse, entropy, d loss / d logits) of rows of raw logits, for the
-  loss sum(g_logp * logp + g_entropy * entropy); targets outside the row
-  pick nothing."""
-  x = np.asarray(logits, np.float64) / temperature
-  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
-  p = np.exp(x - lse[:, None])
-  mean = (p * x).sum(1)
-  t = np.asarray(targets)
-  onehot = np.arange(x.shape[1])[None, :] == t[:, None]
-  g = np.asarray(g_logp, np.float64)[:, None]
-  ge = np.asarray(g_entropy, np.float64)[:, None]
-  d = g * (onehot - p) - ge * p * (x - mean[:, None])
-  return lse, lse - mean, d / temperature
-
-
 def test_logits_finish_and_grad_kernels_rows_invariant_and_accurate(rng):
   # linear_logp's finish (stats -> logp, lse, entropy) and the backward's
   # d logits as CUDA kernels: against float64, and rows alone give the
@@ -447,9 +431,9 @@ def test_logits_finish_and_grad_kernels_rows_invariant_and_accurate(rng):
       assert_bitwise_equal(a, g[rows], f"{name} M={m}")
   t = np.asarray(targets)
   valid = (t >= 0) & (t < v)
-  lse, entropy, d = _dense_logp_grads(logits, targets,
-                                      np.where(valid, g_logp, 0.0), g_entropy,
-                                      temperature)
+  lse, entropy, d = dense_logp_grads(logits, targets,
+                                     np.where(valid, g_logp, 0.0), g_entropy,
+                                     temperature)
   x = np.asarray(logits, np.float64) / temperature
   logp = np.where(valid, x[np.arange(n), np.clip(t, 0, v - 1)] - lse, 0.0)
   assert relative_error(got[0], logp) < 1e-6

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from conftest import ON_GPU, assert_bitwise_equal, random_array, relative_error
+from conftest import (ON_GPU, assert_bitwise_equal, dense_logp_grads,
+                      random_array, relative_error)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not ON_GPU, reason="requires a CUDA GPU")]
@@ -69,15 +70,9 @@ def test_gradients_accurate_with_entropy_temperature_and_chunks(impl, rng):
 
   dh, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(hidden, weight)
   h64, w64 = np.asarray(hidden, np.float64), np.asarray(weight, np.float64)
-  x = h64 @ w64 / temperature
-  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
-  p = np.exp(x - lse[:, None])
   t = np.asarray(targets)
-  onehot = np.arange(v)[None, :] == t[:, None]
-  g = np.where(t >= 0, np.asarray(g_logp, np.float64), 0.0)[:, None]
-  ge = np.asarray(g_entropy, np.float64)[:, None]
-  d = (g * (onehot - p) - ge * p * (x - (p * x).sum(1, keepdims=True)))
-  d /= temperature
+  *_, d = dense_logp_grads(h64 @ w64, t, np.where(t >= 0, g_logp, 0.0),
+                           g_entropy, temperature)
   assert relative_error(dh, d @ w64.T) < 1e-2
   assert relative_error(dw, h64.T @ d) < 1e-2
 

@@ -224,6 +224,19 @@ using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
 
+// (n, c) of a [N, C] logits chunk; the message, or nullptr.
+const char* LogitsShape(const char* op, const F32& logits, int64_t& n,
+                        int64_t& c) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) {
+    logp_error = std::string("rlk cuda_ffi ") + op + ": logits must be [N, C]";
+    return logp_error.c_str();
+  }
+  n = dims[0];
+  c = dims[1];
+  return nullptr;
+}
+
 // Each [N] operand must have N elements; the message, or nullptr.
 const char* RowsError(const char* op, int64_t n,
                       std::initializer_list<size_t> counts) {
@@ -243,12 +256,10 @@ ffi::Error LogitsStatsFfi(cudaStream_t stream, F32 logits, S32 targets,
                           F32 weighted_in, F32Out max_out, F32Out sum_out,
                           F32Out picked_out, F32Out weighted_out,
                           float temperature) {
-  const auto dims = logits.dimensions();
-  if (dims.size() != 2) {
-    return ffi::Error::InvalidArgument(
-        "rlk cuda_ffi logits_stats: logits must be [N, C]");
+  int64_t n, c;
+  if (const char* e = LogitsShape("logits_stats", logits, n, c)) {
+    return ffi::Error::InvalidArgument(e);
   }
-  const int64_t n = dims[0], c = dims[1];
   if (const char* e = RowsError("logits_stats", n,
                                 {max_in.element_count(), sum_in.element_count(),
                                  picked_in.element_count(),
@@ -288,12 +299,10 @@ ffi::Error LogitsGradFfi(cudaStream_t stream, F32 logits, S32 targets, F32 lse,
                          F32 entropy, F32 g_picked, F32 g_entropy,
                          ffi::Result<ffi::Buffer<ffi::BF16>> dlogits,
                          float temperature) {
-  const auto dims = logits.dimensions();
-  if (dims.size() != 2) {
-    return ffi::Error::InvalidArgument(
-        "rlk cuda_ffi logits_grad: logits must be [N, C]");
+  int64_t n, c;
+  if (const char* e = LogitsShape("logits_grad", logits, n, c)) {
+    return ffi::Error::InvalidArgument(e);
   }
-  const int64_t n = dims[0], c = dims[1];
   if (const char* e = RowsError("logits_grad", n,
                                 {targets.element_count(), lse.element_count(),
                                  entropy.element_count(),
