@@ -32,6 +32,7 @@ tables in ``rlk_jax/tuned/`` come from.
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import datetime
 import functools
@@ -128,6 +129,12 @@ KERNEL_TIMES = flags.DEFINE_bool(
     "sweep_kernel_times", False, "Also profile each competitor's kernels "
     "(CUPTI) and note their time per call: kernel against kernel where a "
     "small product's jitted wall time measures the host's dispatch.")
+SAMPLE_MS = flags.DEFINE_float(
+    "sweep_sample_ms", 10.0, "Milliseconds of work (at cuBLAS's pace) per "
+    "timed batch. 10 reads one kernel alike through every route; with "
+    "--sweep_kernel_times on small products, 1 is enough for the kernel "
+    "time and spares the host's dispatch of ten times as many jitted "
+    "programs (0.1-0.5 ms each on the H100).")
 JAX_MS = flags.DEFINE_list(
     "sweep_jax_ms", None, "The M values the jitted JAX routes (xla_dot, "
     "rlk_cuda_ffi) run at (default all): each is one XLA compile, plus "
@@ -180,21 +187,21 @@ def _rlk_torch(torch, ta, tb):
   return lambda x, y: op(x, y, ta, tb, torch.bfloat16, "cuda_ffi")
 
 
-SAMPLE_S = 10e-3  # seconds of work per timed batch (timing_plan)
 
 
 def timing_plan(x_shape, y_shape, flops: int) -> tuple[int, int]:
   """(operand sets, calls per sample) for one product: distinct sets so
   repeats do not re-read a warm L2 (50 MB on the H100: enough sets to pass
-  128 MB, at most 8), and about 10 ms of work per sample at cuBLAS's pace
-  (700 TFLOP/s on the H100), never fewer than one call. 10 ms, because one
+  128 MB, at most 8), and --sweep_sample_ms of work per sample at cuBLAS's
+  pace (700 TFLOP/s on the H100), never fewer than one call. 10 ms, because one
   SM90 kernel then timed the same through jitted JAX and through a torch
   CUDA-graph replay (1.004x over 8 products; with 2 ms samples the jitted
   route read 5% faster: the power-capped card runs faster after the longer
   pause its dispatch leaves; H100, 2026-11-24)."""
   bytes_per_set = 2 * (math.prod(x_shape) + math.prod(y_shape))
   n_sets = max(1, min(8, -(-(128 << 20) // max(bytes_per_set, 1))))
-  return n_sets, max(1, round(SAMPLE_S * 700e12 / (flops * n_sets)))
+  sample_s = SAMPLE_MS.value / 1e3
+  return n_sets, max(1, round(sample_s * 700e12 / (flops * n_sets)))
 
 
 def run(smoke: bool) -> list[Row]:
@@ -372,21 +379,47 @@ def _tile_kernel(backend):
 
 
 def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
-  """Every tile config of `backend` on one product, interleaved, with a
-  check that their bits agree. With --sweep_kernel_times the table keeps
-  each config's kernel time (a small product's jitted wall time measures
-  the host's dispatch, the same for every config)."""
+  """Every tile config of `backend` on one product, with a check that their
+  bits agree. The configs compile side by side (a Mosaic GPU kernel takes
+  seconds; XLA compiles without Python's lock). With --sweep_kernel_times
+  the table keeps each config's kernel time, from one CUPTI trace per config
+  and no wall-time rounds: a small product's jitted wall time measures the
+  host's dispatch, the same for every config. Otherwise the configs are
+  timed against each other in interleaved rounds."""
   from rlk_jax import _gemm_tuning
   fns = {name: functools.partial(_tile_kernel(backend), transpose_a=ta,
                                  transpose_b=tb, config=cfg)
          for name, cfg in _tile_configs(backend).items()}
-  outs = [jax.lax.bitcast_convert_type(f(*pairs[0]), jnp.uint16)
-          for f in fns.values()]
+
+  def build(f):
+    try:
+      bits = jax.lax.bitcast_convert_type(f(*pairs[0]), jnp.uint16)
+      return bits, harness.jax_batch(f, pairs)
+    except Exception as e:  # noqa: BLE001 - a row with the error, below
+      return None, e
+
+  with concurrent.futures.ThreadPoolExecutor(len(fns)) as pool:
+    built = dict(zip(fns, pool.map(build, fns.values())))
+  outs = [bits for bits, _ in built.values() if bits is not None]
   same = all(bool(jnp.array_equal(outs[0], o)) for o in outs[1:])
-  rows = harness.interleaved_rows(
-      BENCH, case, {f"{backend} {name}": (lambda f=f: harness.jax_batch(f, pairs))
-                    for name, f in fns.items()},
-      iters=iters, repeats=5, warmup=1, kernel_times=KERNEL_TIMES.value)
+  labels = {name: f"{backend} {name}" for name in fns}
+  failed = [harness.progress(harness._failed_row(BENCH, case, labels[name], e))
+            for name, (bits, e) in built.items() if bits is None]
+  built = {name: batch for name, (bits, batch) in built.items()
+           if bits is not None}
+  if KERNEL_TIMES.value:
+    rows = []
+    for name, (run_batch, calls) in built.items():
+      seen, note = harness.traced_kernel_time(run_batch, 2 * iters, calls)
+      rows.append(harness.progress(Row(
+          BENCH, case, labels[name], seen and seen[0], note=note,
+          kernel_ms=seen and seen[1])))
+  else:
+    rows = harness.interleaved_rows(
+        BENCH, case, {labels[name]: (lambda b=batch: b)
+                      for name, batch in built.items()},
+        iters=iters, repeats=5, warmup=1)
+  rows += failed
   _TILE_TIMES.setdefault(backend, {})[
       _gemm_tuning.pallas_key(m, n, k, ta, tb)] = {
           "m": m, "bits_equal": same,
@@ -406,8 +439,10 @@ def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
                      "chosen", "bits_equal_across_configs"])
     table = {}
     for key, entry in sorted(times.items()):
-      chosen = _gemm_tuning.pick(entry["ms"], candidates=order)
-      table[key] = chosen
+      if not any(entry["ms"].values()):  # every config failed: no entry
+        chosen = None
+      else:
+        chosen = table[key] = _gemm_tuning.pick(entry["ms"], candidates=order)
       for config, ms in entry["ms"].items():
         writer.writerow([device, harness.commit(), key, entry["m"], config,
                          "" if ms is None else f"{ms:.6g}",

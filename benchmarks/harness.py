@@ -201,6 +201,16 @@ def cupti_kernel_time(run_batch: Callable, batches: int,
   return (reach - hot[0][0]) / counted / 1e3, busy_us / counted / 1e3
 
 
+def traced_kernel_time(run_batch: Callable, batches: int, calls_per_batch: int
+                       ) -> tuple[tuple[float, float] | None, str]:
+  """cupti_kernel_time, and a note saying why where the trace failed (the
+  figure it would have added is then left out, not guessed)."""
+  try:
+    return cupti_kernel_time(run_batch, batches, calls_per_batch), ""
+  except Exception as e:  # noqa: BLE001 - reported, the rest still stands
+    return None, f"kernel time failed: {type(e).__name__}: {e}"[:160]
+
+
 def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
              repeats: int | None = None) -> float:
   """Median device milliseconds per call of `fn`, over distinct `arg_sets`
@@ -263,10 +273,7 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
               tflops=flops / ms / 1e9 if flops else None)
     if kernel_times:
       run, calls = batches[name]
-      try:
-        seen = cupti_kernel_time(run, 2 * iters, calls)
-      except Exception as e:  # noqa: BLE001 - the time stands without it
-        seen, row.note = None, f"kernel time failed: {type(e).__name__}: {e}"[:160]
+      seen, row.note = traced_kernel_time(run, 2 * iters, calls)
       row.kernel_ms = seen[1] if seen else None
     rows.append(progress(row))
   return rows

@@ -178,15 +178,18 @@ class Table:
   def exact(self, key: str) -> str | None:
     return self.entries.get(key)
 
-  def nearest(self, key: str) -> str | None:
+  def nearest(self, key: str, within: float = float("inf")) -> str | None:
     """The entry of the nearest M (in ratio; the larger on a tie) measured
-    for this layout, N and K."""
+    for this layout, N and K, if that M is less than a factor 2**within
+    away."""
     layout, m, n, k = key.split()
     rows = self._by_shape.get((layout, n, k))
     if not rows:
       return None
     m = int(m)
-    return min(rows, key=lambda r: (abs(_log2(r[0]) - _log2(m)), -r[0]))[1]
+    octaves, _, config = min((abs(_log2(r[0]) - _log2(m)), -r[0], r[1])
+                             for r in rows)
+    return config if octaves < within else None
 
 
 def _log2(x: int) -> float:
@@ -314,19 +317,23 @@ def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
   tiles are not (``--sweep_mosaic_gpu_configs`` measures them)."""
   import jax
   from pallas_kernels import det_matmul_mgpu
+  # A table measured at small M says nothing of a wave-filling product
+  # twice as large: the rule's full-wave efficiencies answer there.
   config = _measured_tile(det_matmul_mgpu.CONFIGS, "det_gemm_mosaic_gpu",
-                          device, m, n, k, transpose_a, transpose_b)
+                          device, m, n, k, transpose_a, transpose_b,
+                          within_octaves=1)
   return config or det_matmul_mgpu.choose_config(
       m, n, num_sms or jax.devices()[0].core_count)
 
 
 def _measured_tile(configs: dict, kind: str, device, m, n, k, transpose_a,
-                   transpose_b):
+                   transpose_b, within_octaves: float = float("inf")):
   """The config a shipped `kind` table measured fastest for this shape at
-  this M bucket, else at the nearest M; None where it has none."""
+  this M bucket, else at the nearest M less than a factor
+  2**within_octaves away; None where it has none."""
   table = _shipped(kind, device or _device_name())
   key = pallas_key(m, n, k, transpose_a, transpose_b)
-  return configs.get(table.exact(key) or table.nearest(key))
+  return configs.get(table.exact(key) or table.nearest(key, within_octaves))
 
 
 def clear_memo() -> None:

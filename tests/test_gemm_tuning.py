@@ -249,7 +249,11 @@ def test_mosaic_choice_table_then_rule(fake_library):
       m, n, 4096, transpose_a=False, transpose_b=True, device=DEVICE,
       num_sms=132)
   assert pick(1000) is det_matmul_mgpu.CONFIGS["64x256"]
-  assert pick(3000) is det_matmul_mgpu.CONFIGS["64x256"]  # nearest M
+  assert pick(1900) is det_matmul_mgpu.CONFIGS["64x256"]  # nearest M
+  # a factor of two or more from every measured M: the waves rule
+  assert pick(3000) is det_matmul_mgpu.choose_config(3000, 6144, 132)
+  assert pick(3000) is not det_matmul_mgpu.CONFIGS["64x256"]
+  assert pick(500) is det_matmul_mgpu.choose_config(500, 6144, 132)
   # another shape: the waves rule (one wave of 64 clusters of two 128x256
   # tiles; 6144 columns: one wave of 128 256x192 tiles, not two of 128x256)
   assert pick(1024, n=4096) is det_matmul_mgpu.choose_config(1024, 4096, 132)
