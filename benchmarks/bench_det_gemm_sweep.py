@@ -382,8 +382,8 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
   """Every tile config of `backend` on one product, with a check that their
   bits agree. The configs compile side by side (a Mosaic GPU kernel takes
   seconds; XLA compiles without Python's lock). With --sweep_kernel_times
-  the table keeps each config's kernel time, from one CUPTI trace per config
-  and no wall-time rounds: a small product's jitted wall time measures the
+  the table keeps each config's kernel time, from one CUPTI trace of them
+  all and no wall-time rounds: a small product's jitted wall time measures the
   host's dispatch, the same for every config. Otherwise the configs are
   timed against each other in interleaved rounds."""
   from rlk_jax import _gemm_tuning
@@ -398,8 +398,10 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
     except Exception as e:  # noqa: BLE001 - a row with the error, below
       return None, e
 
+  started = time.monotonic()
   with concurrent.futures.ThreadPoolExecutor(len(fns)) as pool:
     built = dict(zip(fns, pool.map(build, fns.values())))
+  build_note = f"configs built in {time.monotonic() - started:.1f} s"
   outs = [bits for bits, _ in built.values() if bits is not None]
   same = all(bool(jnp.array_equal(outs[0], o)) for o in outs[1:])
   labels = {name: f"{backend} {name}" for name in fns}
@@ -408,12 +410,12 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
   built = {name: batch for name, (bits, batch) in built.items()
            if bits is not None}
   if KERNEL_TIMES.value:
-    rows = []
-    for name, (run_batch, calls) in built.items():
-      seen, note = harness.traced_kernel_time(run_batch, 2 * iters, calls)
-      rows.append(harness.progress(Row(
-          BENCH, case, labels[name], seen and seen[0], note=note,
-          kernel_ms=seen and seen[1])))
+    seen, note = harness.traced_kernel_times(built, 2 * iters)
+    rows = [harness.progress(Row(BENCH, case, labels[name],
+                                 seen[name] and seen[name][0],
+                                 note="; ".join(filter(None, [note, build_note])),
+                                 kernel_ms=seen[name] and seen[name][1]))
+            for name in built]
   else:
     rows = harness.interleaved_rows(
         BENCH, case, {labels[name]: (lambda b=batch: b)

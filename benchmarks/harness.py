@@ -180,15 +180,48 @@ def cupti_kernel_time(run_batch: Callable, batches: int,
   part of it in which some kernel ran (the union of the kernels'
   intervals). Both come from the same stretch, on a card as hot as in the
   timed rounds. None without torch or when no kernel was seen."""
+  return cupti_kernel_times({"": (run_batch, calls_per_batch)}, batches)[""]
+
+
+# A kernel launched between two competitors in one trace, so their kernels
+# part there (torch.cuda._sleep's spin kernel: no competitor launches it).
+_MARKER = "spin_kernel"
+
+
+def cupti_kernel_times(batches: dict[str, tuple[Callable, int]],
+                       n_batches: int) -> dict[str, tuple[float, float] | None]:
+  """cupti_kernel_time for several competitors in one trace (a profiler
+  session costs about a second to start and read): `batches[name] =
+  (run_batch, calls_per_batch)`, each run for `n_batches` batches in turn,
+  a marker kernel between two. All None without torch."""
   torch = torch_or_none()
   if torch is None:
-    return None
+    return {name: None for name in batches}
   from torch.profiler import ProfilerActivity, profile
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    run_batch(batches)
-  spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type.name == "CUDA")
-  calls = batches * calls_per_batch
+    for run_batch, _ in batches.values():
+      run_batch(n_batches)  # blocks at its end
+      torch.cuda._sleep(1000)
+      torch.cuda.synchronize()
+  kernels = sorted((e.time_range.start, e.time_range.end, e.name)
+                   for e in prof.events() if e.device_type.name == "CUDA")
+  parts, part = [], []
+  for start, end, name in kernels:
+    if _MARKER in name:
+      parts.append(part)
+      part = []
+    else:
+      part.append((start, end))
+  if len(parts) != len(batches):
+    raise RuntimeError(f"{len(parts)} marker kernels in the trace for "
+                       f"{len(batches)} competitors")
+  return {name: _busy_per_call(spans, n_batches * calls)
+          for (name, (_, calls)), spans in zip(batches.items(), parts)}
+
+
+def _busy_per_call(spans, calls: int) -> tuple[float, float] | None:
+  """(wall_ms, kernel_ms) per call over the second half of `calls` calls'
+  kernel spans (sorted), or None where there are fewer spans than calls."""
   per_call = len(spans) // calls
   if not per_call:
     return None
@@ -201,14 +234,16 @@ def cupti_kernel_time(run_batch: Callable, batches: int,
   return (reach - hot[0][0]) / counted / 1e3, busy_us / counted / 1e3
 
 
-def traced_kernel_time(run_batch: Callable, batches: int, calls_per_batch: int
-                       ) -> tuple[tuple[float, float] | None, str]:
-  """cupti_kernel_time, and a note saying why where the trace failed (the
-  figure it would have added is then left out, not guessed)."""
+def traced_kernel_times(batches: dict[str, tuple[Callable, int]],
+                        n_batches: int
+                        ) -> tuple[dict[str, tuple[float, float] | None], str]:
+  """cupti_kernel_times, and a note saying why where the trace failed (the
+  figures it would have added are then left out, not guessed)."""
   try:
-    return cupti_kernel_time(run_batch, batches, calls_per_batch), ""
+    return cupti_kernel_times(batches, n_batches), ""
   except Exception as e:  # noqa: BLE001 - reported, the rest still stands
-    return None, f"kernel time failed: {type(e).__name__}: {e}"[:160]
+    return ({name: None for name in batches},
+            f"kernel time failed: {type(e).__name__}: {e}"[:160])
 
 
 def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 10,
@@ -263,6 +298,11 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
   except Exception as e:  # noqa: BLE001 - one failure stops the shared rounds
     failed.update({name: _failed_row(benchmark, case, name, e)
                    for name in batches})
+  seen, why = ({}, "")
+  if kernel_times:
+    seen, why = traced_kernel_times(
+        {name: batch for name, batch in batches.items() if name in times},
+        2 * iters)
   rows = []
   for name in competitors:
     if name in failed:
@@ -270,11 +310,9 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
       continue
     ms = times[name]
     row = Row(benchmark, case, name, ms,
-              tflops=flops / ms / 1e9 if flops else None)
-    if kernel_times:
-      run, calls = batches[name]
-      seen, row.note = traced_kernel_time(run, 2 * iters, calls)
-      row.kernel_ms = seen[1] if seen else None
+              tflops=flops / ms / 1e9 if flops else None, note=why)
+    if seen.get(name):
+      row.kernel_ms = seen[name][1]
     rows.append(progress(row))
   return rows
 
@@ -283,6 +321,8 @@ def progress(row: Row) -> Row:
   """Prints a row as soon as it is measured: progress, and a record if a
   time limit stops the run before the report is written."""
   peak = f" | peak {row.peak_mem_mb:.1f} MB" if row.peak_mem_mb is not None else ""
+  if row.kernel_ms is not None:
+    peak += f" | kernels {row.kernel_ms:.6g} ms"
   print(f"  {row.case} | {row.implementation} | {row.median_ms} ms | "
         f"{row.tflops or row.gbps or ''}{peak} | {row.note}", file=sys.stderr,
         flush=True)
