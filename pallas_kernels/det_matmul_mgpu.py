@@ -121,11 +121,10 @@ CONFIGS = {
     # slice of a 128-byte-swizzled tile.)
     "64x128": MgpuConfig(64, 64, "n"),
     "128x64": MgpuConfig(64, 64, "m"),
-    # One compute warpgroup's 64x64 tile per CTA: four times 128x128's CTAs.
-    # Lowered and interpreted on the CPU, not yet run on a GPU, so the rule
-    # never picks it (efficiency 0) until the device tests and a timing say
-    # so. (64x32 does not lower with B stored [K, N]: no wgmma layout for a
-    # 64-byte-swizzled B.)
+    # One compute warpgroup's 64x64 tile per CTA: four times 128x128's CTAs,
+    # for products too small to fill the SMs with larger tiles. (64x32 does
+    # not lower with B stored [K, N]: no wgmma layout for a 64-byte-swizzled
+    # B.)
     "64x64": MgpuConfig(64, 64, compute_wgs=1),
 }
 
@@ -137,11 +136,15 @@ CONFIGS = {
 # under benchmarks/results/; 64x128 and 128x64 from llama3.1-8b's o and qkv
 # dA at M=4096, det_gemm_mosaic_small_tiles-e2be270/). Alone, a fourth
 # stage, a chained pipeline or one wgmma group in flight measured no faster
-# than 128x256 (det_gemm_mosaic_variants-fcf59d7/).
+# than 128x256 (det_gemm_mosaic_variants-fcf59d7/). 64x64 from the MoE
+# expert's qkv and o at M 128-512, kernel times of eight configs per
+# product (det_gemm_mosaic_small_m-87a36ec/): a fit of time per CTA tile's
+# MACs gives it 0.28 of 128x256's rate; 0.32-0.40 all choose the fastest
+# config there or within 9% of it, where 64x64 at 0 lost up to 13%.
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
                "64x256": 0.75, "256x192": 0.98, "128x192": 0.93,
                "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98,
-               "64x128": 0.55, "128x64": 0.62, "64x64": 0}
+               "64x128": 0.55, "128x64": 0.62, "64x64": 0.34}
 
 
 def choose_config(m: int, n: int, num_sms: int) -> MgpuConfig:
