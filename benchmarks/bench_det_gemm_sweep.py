@@ -380,12 +380,13 @@ def _tile_kernel(backend):
 
 def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
   """Every tile config of `backend` on one product, with a check that their
-  bits agree. The configs compile side by side (a Mosaic GPU kernel takes
-  seconds; XLA compiles without Python's lock). With --sweep_kernel_times
-  the table keeps each config's kernel time, from one CUPTI trace of them
-  all and no wall-time rounds: a small product's jitted wall time measures the
-  host's dispatch, the same for every config. Otherwise the configs are
-  timed against each other in interleaved rounds."""
+  bits agree. The configs compile in threads side by side (eight Mosaic GPU
+  configs still took 22-32 s a product on the H100: their compiles barely
+  overlap). With --sweep_kernel_times the table keeps each config's kernel
+  time, from one CUPTI trace of them all and no wall-time rounds: a small
+  product's jitted wall time measures the host's dispatch, the same for
+  every config. Otherwise the configs are timed against each other in
+  interleaved rounds."""
   from rlk_jax import _gemm_tuning
   fns = {name: functools.partial(_tile_kernel(backend), transpose_a=ta,
                                  transpose_b=tb, config=cfg)

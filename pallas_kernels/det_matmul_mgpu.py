@@ -138,9 +138,10 @@ CONFIGS = {
 # stage, a chained pipeline or one wgmma group in flight measured no faster
 # than 128x256 (det_gemm_mosaic_variants-fcf59d7/). 64x64 from the MoE
 # expert's qkv and o at M 128-512, kernel times of eight configs per
-# product (det_gemm_mosaic_small_m_configs-87a36ec/): a fit of time per CTA tile's
-# MACs gives it 0.28 of 128x256's rate; 0.32-0.40 all choose the fastest
-# config there or within 9% of it, where 64x64 at 0 lost up to 13%.
+# product (det_gemm_mosaic_small_m_configs-87a36ec/): a fit of time per
+# CTA tile's MACs gives it 0.28 of 128x256's rate; 0.32-0.40 all choose
+# the fastest config there or one within 9% of it, where 64x64 at 0 lost
+# up to 13%.
 _EFFICIENCY = {"128x256": 1.0, "256x128": 1.0, "128x128": 0.89,
                "64x256": 0.75, "256x192": 0.98, "128x192": 0.93,
                "128x256_c2m": 1.01, "256x128_c2m": 0.96, "256x192_c2m": 0.98,

@@ -312,7 +312,9 @@ def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
                          num_sms: int | None = None):
   """The Mosaic GPU det_matmul config (an ``MgpuConfig``) for this product:
   the shipped table's measurement for this shape at this M bucket, else at
-  the nearest M, else the kernel's waves rule. Every config gives the same
+  the nearest M less than a factor of two away, else the kernel's waves
+  rule (none ships: a table needs every config compiled per product, about
+  25 s for eight on the H100). Every config gives the same
   bits (device-tested); not tuned on first use, for the reason Pallas's
   tiles are not (``--sweep_mosaic_gpu_configs`` measures them)."""
   import jax
