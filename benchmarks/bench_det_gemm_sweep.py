@@ -241,6 +241,11 @@ def run(smoke: bool) -> list[Row]:
         for layout in LAYOUTS_FLAG.value or LAYOUTS:
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
+          # Tile tables after every product: a device call's time limit
+          # may stop the sweep (a product of eight Mosaic GPU configs
+          # takes about 30 s) and must not take what it measured along.
+          for backend, times in _TILE_TIMES.items():
+            _write_tile_tuning(harness.output_dir(), backend, times)
           recipe_products.append(
               [f"{family} {proj} M={m} K={k} N={n} {layout}", m, k, n, layout])
     if (cublaslt_recipe.RECIPE in impls and torch is not None and on_gpu
@@ -252,8 +257,6 @@ def run(smoke: bool) -> list[Row]:
                          "-"))
   if on_gpu and rlk_ready.get("cuda_ffi"):
     _write_tuning(harness.output_dir())
-  for backend, times in _TILE_TIMES.items():
-    _write_tile_tuning(harness.output_dir(), backend, times)
   if torch is not None and on_gpu:
     torch.cuda.empty_cache()
   return rows

@@ -111,3 +111,52 @@ def test_appending_to_a_csv_from_before_a_new_column_keeps_rows_aligned(tmp_path
   harness.write_csv([harness.Row("b", "c", "i", 1.5, kernel_ms=0.5)], fresh)
   header, row = list(csv.reader(open(fresh, newline="")))
   assert row[header.index("kernel_ms")] == "0.5"
+
+
+def test_tile_configs_are_timed_and_tabled_and_a_failing_one_is_a_row(
+    tmp_path, monkeypatch):
+  import json
+
+  import jax
+  import jax.numpy as jnp
+  from absl import flags
+
+  from benchmarks import bench_det_gemm_sweep as sweep
+  from pallas_kernels import det_matmul
+  from rlk_jax import _gemm_tuning
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  monkeypatch.setattr(flags.FLAGS, "sweep_tile_config_names",
+                      ["128x128", "64x128", "64x32"])
+  broken = det_matmul.NAMED_CONFIGS["64x32"]
+
+  def tile_kernel(backend):
+    def run(a, b, *, config, **layout):
+      if config is broken:
+        raise RuntimeError("this config does not build here")
+      return det_matmul.matmul(a, b, interpret=True, config=config, **layout)
+    return run
+
+  monkeypatch.setattr(sweep, "_tile_kernel", tile_kernel)
+  monkeypatch.setattr(sweep, "_TILE_TIMES", {})
+  k1, k2 = jax.random.split(jax.random.key(7))
+  a = jax.random.normal(k1, (96, 64)).astype(jnp.bfloat16)
+  b = jax.random.normal(k2, (64, 80)).astype(jnp.bfloat16)
+  sweep._time_tile_configs("pallas", "case", 96, 80, 64, False, False,
+                           [(a, b), (a + 1, b)], 2)
+  key = _gemm_tuning.pallas_key(96, 80, 64, False, False)
+  entry = sweep._TILE_TIMES["pallas"][key]
+  assert entry["bits_equal"] and entry["m"] == 96
+  assert entry["ms"]["64x32"] is None
+  assert entry["ms"]["128x128"] > 0 and entry["ms"]["64x128"] > 0
+  # A product whose every config failed gets no table entry.
+  sweep._TILE_TIMES["pallas"]["002 128 64 64"] = {
+      "m": 100, "bits_equal": True, "ms": {"128x128": None}}
+  sweep._write_tile_tuning(str(tmp_path), "pallas", sweep._TILE_TIMES["pallas"])
+  name = f"det_gemm_pallas-{_gemm_tuning.device_slug(harness.device_name())}.json"
+  table = json.load(open(tmp_path / name))["entries"]
+  assert table == {key: _gemm_tuning.pick(
+      entry["ms"], candidates=("128x128", "64x128", "64x32"))}
+  chosen = [r for r in csv.DictReader(open(tmp_path / "det_gemm_pallas_configs.csv"))
+            if r["chosen"] == "1"]
+  assert [r["config"] for r in chosen] == [table[key]]
