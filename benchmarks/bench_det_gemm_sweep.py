@@ -397,8 +397,9 @@ def _time_tile_configs(backend, case, m, n, k, ta, tb, pairs, iters):
 
   def build(f):
     try:
-      bits = jax.lax.bitcast_convert_type(f(*pairs[0]), jnp.uint16)
-      return bits, harness.jax_batch(f, pairs)
+      outs = []
+      batch = harness.jax_batch(f, pairs, outputs=outs)
+      return jax.lax.bitcast_convert_type(outs[0], jnp.uint16), batch
     except Exception as e:  # noqa: BLE001 - a row with the error, below
       return None, e
 

@@ -153,14 +153,18 @@ def time_batches(run_batch: Callable[[int], None], *, iters: int,
                           warmup=warmup)[""]
 
 
-def jax_batch(fn: Callable, arg_sets: Sequence[tuple]):
+def jax_batch(fn: Callable, arg_sets: Sequence[tuple],
+              outputs: list | None = None):
   """`(run_batch, calls)` for time_interleaved: one jitted call runs `fn` on
   every arg set (one launch sequence back to back, one host dispatch), so
   the figure is the device's time per call, not the host's dispatch
   latency. Give every set its own buffers: identical inputs would let XLA
-  merge the calls."""
+  merge the calls. `outputs`, where given, receives the first call's
+  result per arg set (checking bits costs no compile of its own)."""
   many = jax.jit(lambda sets: [fn(*s) for s in sets])
-  jax.block_until_ready(many(list(arg_sets)))  # compile
+  first = jax.block_until_ready(many(list(arg_sets)))  # compile
+  if outputs is not None:
+    outputs.extend(first)
 
   def batch(n):
     out = None
