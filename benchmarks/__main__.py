@@ -18,7 +18,7 @@ import time
 from absl import app, flags
 
 from benchmarks import (bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
-                        bench_host, bench_invariance, bench_jit_steps,
+                        bench_det_gemm_tuning, bench_host, bench_invariance, bench_jit_steps,
                         bench_logp, bench_pack, bench_scaling, bench_torch_ops,
                         harness)
 
@@ -33,7 +33,8 @@ BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "host": bench_host, "bridge": bench_bridge,
               "scaling": bench_scaling, "torch_ops": bench_torch_ops,
               "jit_steps": bench_jit_steps,
-              "det_gemm_sweep": bench_det_gemm_sweep}
+              "det_gemm_sweep": bench_det_gemm_sweep,
+              "det_gemm_tuning": bench_det_gemm_tuning}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",

@@ -39,7 +39,9 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
+import sys
 import time
 import zlib
 
@@ -77,6 +79,12 @@ FAMILIES = {
 SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
                                vocab=320)}
 SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Decode rows (--sweep_ms=1,2,4,8,16,32,64 --sweep_layouts=fwd): memory-bound
+# products, each with its byte floor (operand bytes over the copy bandwidth
+# measured in the same run) in its rows.
+DECODE_MS = (1, 2, 4, 8, 16, 32, 64)
+# The issue's bar for a weight this large: within 1.2x of its byte floor.
+FLOOR_WEIGHT_BYTES = 64 << 20
 LAYOUTS = ("fwd", "dA", "dB")
 IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
          "rlk_pallas", "rlk_triton", "rlk_mosaic_gpu", "cublaslt_vllm_recipe")
@@ -135,6 +143,13 @@ SAMPLE_MS = flags.DEFINE_float(
     "--sweep_kernel_times on small products, 1 is enough for the kernel "
     "time and spares the host's dispatch of ten times as many jitted "
     "programs (0.1-0.5 ms each on the H100).")
+COMPARE_BITS = flags.DEFINE_bool(
+    "sweep_compare_bits", False, "Also compare cuBLAS's result with rlk's "
+    "bit for bit on each product (its cublas row notes the rows that "
+    "differ): a kernel that walks K in order into one f32 accumulator gives "
+    "rlk's bits, so a product where cuBLAS's differ ran a split or otherwise "
+    "reordered reduction, which a batch-invariant GEMM cannot use. Where the "
+    "bits agree and cuBLAS ran faster, its kernel's name is noted too.")
 JAX_MS = flags.DEFINE_list(
     "sweep_jax_ms", None, "The M values the jitted JAX routes (xla_dot, "
     "rlk_cuda_ffi) run at (default all): each is one XLA compile, plus "
@@ -189,19 +204,23 @@ def _rlk_torch(torch, ta, tb):
 
 
 
-def timing_plan(x_shape, y_shape, flops: int) -> tuple[int, int]:
+def timing_plan(x_shape, y_shape, flops: int, out_elems: int = 0
+                ) -> tuple[int, int]:
   """(operand sets, calls per sample) for one product: distinct sets so
   repeats do not re-read a warm L2 (50 MB on the H100: enough sets to pass
-  128 MB, at most 8), and --sweep_sample_ms of work per sample at cuBLAS's
-  pace (700 TFLOP/s on the H100), never fewer than one call. 10 ms, because one
-  SM90 kernel then timed the same through jitted JAX and through a torch
-  CUDA-graph replay (1.004x over 8 products; with 2 ms samples the jitted
-  route read 5% faster: the power-capped card runs faster after the longer
-  pause its dispatch leaves; H100, 2026-11-24)."""
+  256 MB, at most 32, so a decode row reads its weight from HBM as a
+  decode step's layers do), and --sweep_sample_ms of work per sample at
+  cuBLAS's pace (700 TFLOP/s, or 3 TB/s where the bytes take longer),
+  never fewer than one call. 10 ms, because one SM90 kernel then timed the
+  same through jitted JAX and through a torch CUDA-graph replay (1.004x
+  over 8 products; with 2 ms samples the jitted route read 5% faster: the
+  power-capped card runs faster after the longer pause its dispatch
+  leaves; H100, 2026-11-24)."""
   bytes_per_set = 2 * (math.prod(x_shape) + math.prod(y_shape))
-  n_sets = max(1, min(8, -(-(128 << 20) // max(bytes_per_set, 1))))
+  n_sets = max(1, min(32, -(-(256 << 20) // max(bytes_per_set, 1))))
+  call_s = max(flops / 700e12, (bytes_per_set + 2 * out_elems) / 3e12, 2e-6)
   sample_s = SAMPLE_MS.value / 1e3
-  return n_sets, max(1, round(sample_s * 700e12 / (flops * n_sets)))
+  return n_sets, max(1, round(sample_s / (call_s * n_sets)))
 
 
 def run(smoke: bool) -> list[Row]:
@@ -262,12 +281,50 @@ def run(smoke: bool) -> list[Row]:
   return rows
 
 
+_COPY_GBPS: list[float] = []
+
+
+def _copy_gbps(rows: list[Row]) -> float:
+  """The run's copy bandwidth (GB/s, read + write), measured on its first
+  decode product (its rows join the record)."""
+  if not _COPY_GBPS:
+    keys = jax.random.split(jax.random.key(0), 4)
+    xs = [jax.random.normal(kk, (128 << 20,), jnp.float32).astype(jnp.bfloat16)
+          for kk in keys]  # 256 MB each
+    gbps, copy_rows = harness.copy_bandwidth(BENCH, xs)
+    rows += [harness.progress(r) for r in copy_rows]
+    _COPY_GBPS.append(gbps)
+  return _COPY_GBPS[0]
+
+
+def _cublas_bits_note(torch, ta, tb, x, y, cublas_ms, rlk_ms) -> str:
+  """How many rows of cuBLAS's result differ from rlk's, bit for bit; and
+  where none does but cuBLAS ran faster, the kernel it ran."""
+  ours = _rlk_torch(torch, ta, tb)(x, y)
+  theirs = _torch_product(torch, ta, tb)(x, y)
+  rows = int((ours.view(torch.int16) != theirs.view(torch.int16))
+             .any(dim=1).sum())
+  note = f"cublas bits: {rows} of {ours.shape[0]} rows differ from rlk's"
+  if rows == 0 and cublas_ms and rlk_ms and cublas_ms < 0.97 * rlk_ms:
+    try:
+      names = cublaslt_recipe._kernel_names(
+          torch, lambda: _torch_product(torch, ta, tb)(x, y))
+      note += f"; cublas kernel {' '.join(names)}"
+    except Exception as e:  # noqa: BLE001 - the bits stand without it
+      note += f"; cublas kernel unknown ({type(e).__name__})"
+  return note
+
+
 def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
                   rlk_ready, pallas_ms, jax_ms, smoke) -> list[Row]:
   ta, tb, x_shape, y_shape, (pm, pn, pk) = layout_product(layout, m, k, n)
   case = f"{family} {proj} M={m} K={k} N={n} {layout}"
   flops = 2 * m * n * k
-  n_sets, iters = timing_plan(x_shape, y_shape, flops)
+  n_sets, iters = timing_plan(x_shape, y_shape, flops, pm * pn)
+  copy_rows, floor_ms = [], None
+  if on_gpu and m <= max(DECODE_MS):
+    floor_ms = (2 * (math.prod(x_shape) + math.prod(y_shape) + pm * pn)
+                / _copy_gbps(copy_rows) / 1e6)
   if smoke:
     n_sets = iters = 1
   keys = jax.random.split(jax.random.key(zlib.crc32(case.encode())),
@@ -305,6 +362,16 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
                           ("mosaic_gpu", MOSAIC_CONFIGS)):
     if wanted.value and on_gpu and rlk_ready.get(backend) and m in pallas_ms:
       _time_tile_configs(backend, case, pm, pn, pk, ta, tb, pairs, iters)
+  timed = {r.implementation: r.median_ms for r in rows}
+  bits_note = ""
+  if (COMPARE_BITS.value and torch_gpu and "cublas" in timed
+      and "rlk_cuda_ffi_kernel" in timed):
+    try:
+      bits_note = _cublas_bits_note(torch, ta, tb, *torch_pairs[0],
+                                    timed["cublas"],
+                                    timed["rlk_cuda_ffi_kernel"])
+    except Exception as e:  # noqa: BLE001 - the timings stand without it
+      bits_note = f"cublas bits: not compared ({type(e).__name__}: {e})"
   del pairs, x_sets, y_sets, competitors
   if torch_gpu:
     del torch_pairs
@@ -316,7 +383,8 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
   config = _chosen_config(pm, pn, pk, ta, tb) if any(
       r.implementation.startswith("rlk_cuda_ffi") for r in rows) else None
   for row in rows:
-    notes = []
+    row.floor_ms = floor_ms
+    notes = [bits_note] if row.implementation == "cublas" else []
     if peer and row.median_ms and row.implementation != "cublas":
       notes.append(f"{peer / row.median_ms:.2f}x cublas")
     if peer_kernel and row.kernel_ms and row.implementation != "cublas":
@@ -324,7 +392,9 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
     if config and row.implementation.startswith("rlk_cuda_ffi"):
       notes.append(f"config {config}")
     row.note = "; ".join(filter(None, [row.note, *notes]))
-  return rows
+  if bits_note:  # progress, as the rows' own lines were
+    print(f"  {case} | {bits_note}", file=sys.stderr, flush=True)
+  return copy_rows + rows
 
 
 def _recipe_rows(recipe_products, rows) -> list[Row]:
@@ -541,4 +611,59 @@ def summarize(rows: list[Row]) -> str:
   for impl, xs in worst.items():
     lines.append(f"- {impl}: " + "; ".join(
         f"{case} {x:.2f}x" for x, case in sorted(xs)[:5]))
-  return "\n".join(lines)
+  return "\n".join(lines + _floor_lines(rows) + _bits_lines(rows, peer))
+
+
+def _dims(case: str) -> dict[str, int]:
+  return {d: int(case.split(f" {d}=")[1].split()[0]) for d in "MKN"}
+
+
+def _floor_lines(rows: list[Row]) -> list[str]:
+  """Decode rows with a weight of FLOOR_WEIGHT_BYTES or more: time over the
+  byte floor, per implementation."""
+  over: dict[str, list[float]] = {}
+  for r in rows:
+    if r.ratio_to_floor and r.case.endswith(" fwd"):
+      d = _dims(r.case)
+      if 2 * d["K"] * d["N"] >= FLOOR_WEIGHT_BYTES:
+        over.setdefault(r.implementation, []).append(r.ratio_to_floor)
+  if not over:
+    return []
+  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
+  return ["", f"Decode rows with a weight of {FLOOR_WEIGHT_BYTES >> 20} MB "
+          "or more, time over the byte floor (operand bytes over the copy "
+          "bandwidth measured in this run):", ""] + [
+              f"- {impl}: geomean {geo(xs):.2f}x, worst {max(xs):.2f}x over "
+              f"{len(xs)} products" for impl, xs in over.items()]
+
+
+def _bits_lines(rows: list[Row], peer: dict[str, float]) -> list[str]:
+  """rlk's kernel against cuBLAS, split by whether cuBLAS computed rlk's
+  bits (--sweep_compare_bits)."""
+  differ = {}
+  for r in rows:
+    found = re.search(r"cublas bits: (\d+) of", r.note)
+    if r.implementation == "cublas" and found:
+      differ[r.case] = int(found.group(1)) > 0
+  groups: dict[tuple[str, bool], list[float]] = {}
+  for r in rows:
+    if (r.implementation == "rlk_cuda_ffi_kernel" and r.case in differ
+        and r.median_ms and peer.get(r.case)):
+      groups.setdefault((r.case.split()[-1], differ[r.case]), []).append(
+          peer[r.case] / r.median_ms)
+  if not groups:
+    return []
+  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
+  lines = ["", "rlk_cuda_ffi_kernel against cuBLAS, by whether cuBLAS "
+           "computed rlk's bits (a different result means a split or "
+           "reordered reduction, which no batch-invariant GEMM may use):", "",
+           "| layout | same bits: products | geomean | bits differ: products "
+           "| geomean |", "|---|---|---|---|---|"]
+  for layout in LAYOUTS:
+    cells = []
+    for d in (False, True):
+      xs = groups.get((layout, d), [])
+      cells += [str(len(xs)), f"{geo(xs):.3f}" if xs else ""]
+    if any(groups.get((layout, d)) for d in (False, True)):
+      lines.append(f"| {layout} | " + " | ".join(cells) + " |")
+  return lines

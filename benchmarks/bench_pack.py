@@ -51,26 +51,6 @@ def _shapes(smoke: bool):
 BUFFERS, CALLS = 4, 16
 
 
-def _copy_bandwidth(xs) -> tuple[float, list[Row]]:
-  """Device-to-device copy bandwidth (bytes read + written per second)."""
-  rows = []
-  x = xs[0]
-  nbytes = 2 * x.size * x.dtype.itemsize
-  copy = lambda a, c: a + c  # one read, one write
-  ms = harness.time_jax(copy, [(xs[i % len(xs)], jnp.asarray(i + 1, x.dtype))
-                               for i in range(CALLS)])
-  rows.append(Row(BENCH, "copy", "xla_elementwise_copy", ms, nbytes / ms / 1e6))
-  best = nbytes / ms / 1e6
-  torch = harness.torch_or_none()
-  if torch is not None:
-    t = _to_torch(torch, x)
-    dst = torch.empty_like(t)
-    ms_t = harness.time_torch(lambda a: dst.copy_(a), [(t,)])
-    rows.append(Row(BENCH, "copy", "torch_copy", ms_t, nbytes / ms_t / 1e6))
-    best = max(best, nbytes / ms_t / 1e6)
-  return best, rows
-
-
 def _to_torch(torch, x):
   if harness.on_gpu():
     return torch.from_dlpack(x)  # zero-copy on the device
@@ -90,7 +70,7 @@ def run(smoke: bool) -> list[Row]:
   buffers = [jax.random.normal(k, (b, s, h), jnp.float32).astype(dtype)
              for k in keys]
   xs = [buffers[i % BUFFERS] for i in range(BUFFERS if smoke else CALLS)]
-  bw_gbps, rows = _copy_bandwidth(xs)
+  bw_gbps, rows = harness.copy_bandwidth(BENCH, xs, _to_torch)
   row_bytes = h * jnp.dtype(dtype).itemsize
   torch = harness.torch_or_none()
 

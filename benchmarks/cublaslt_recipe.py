@@ -179,9 +179,10 @@ def _time(torch, job) -> list[dict]:
   name = job["setting"]
   rows = []
   for case, m, k, n, layout in job["products"]:
-    ta, tb, x_shape, y_shape, _ = sweep.layout_product(layout, m, k, n)
+    ta, tb, x_shape, y_shape, (pm, pn, _) = sweep.layout_product(layout, m,
+                                                                k, n)
     flops = 2 * m * n * k
-    n_sets, iters = sweep.timing_plan(x_shape, y_shape, flops)
+    n_sets, iters = sweep.timing_plan(x_shape, y_shape, flops, pm * pn)
     pairs = [_operands(torch, f"{case} {i}", (x_shape, y_shape), "cuda")
              for i in range(n_sets)]
     product = sweep._torch_product(torch, ta, tb)

@@ -321,6 +321,32 @@ def interleaved_rows(benchmark, case, competitors: dict[str, Callable], *,
   return rows
 
 
+def copy_bandwidth(benchmark, xs, to_torch=None) -> tuple[float, list[Row]]:
+  """Device-to-device copy bandwidth (bytes read + written per second, in
+  GB/s): the better of XLA's elementwise copy over the buffers `xs` and
+  torch's `copy_` (where torch is here; `to_torch(torch, x)` makes its
+  tensor, a zero-copy view by default). The byte floors of memory-bound
+  products divide by it; its rows go in the record."""
+  import jax.numpy as jnp
+  rows = []
+  x = xs[0]
+  nbytes = 2 * x.size * x.dtype.itemsize
+  copy = lambda a, c: a + c  # one read, one write
+  ms = time_jax(copy, [(xs[i % len(xs)], jnp.asarray(i + 1, x.dtype))
+                       for i in range(max(len(xs), 16))])
+  rows.append(Row(benchmark, "copy", "xla_elementwise_copy", ms,
+                  nbytes / ms / 1e6))
+  best = nbytes / ms / 1e6
+  torch = torch_or_none()
+  if torch is not None:
+    t = (to_torch or (lambda torch, x: torch.from_dlpack(x)))(torch, x)
+    dst = torch.empty_like(t)
+    ms_t = time_torch(lambda a: dst.copy_(a), [(t,)])
+    rows.append(Row(benchmark, "copy", "torch_copy", ms_t, nbytes / ms_t / 1e6))
+    best = max(best, nbytes / ms_t / 1e6)
+  return best, rows
+
+
 def progress(row: Row) -> Row:
   """Prints a row as soon as it is measured: progress, and a record if a
   time limit stops the run before the report is written."""

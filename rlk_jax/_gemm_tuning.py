@@ -15,8 +15,13 @@ on this device comes from, in order:
    library's own buffers and stream (the caller's streams are never used or
    synchronized), and the result goes to the on-disk cache. Only where
    allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
-   recording a CUDA graph, and the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
-   (default 2048);
+   recording a CUDA graph, the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
+   (default 2048) and the product is at most ``RLK_DET_GEMM_TUNE_MAX_TFLOP``
+   (default 1.5: tuning launches each candidate about seven times, about
+   0.4 s per TFLOP of the product on the H100, so a first use stays within
+   two seconds even where the torch bridge tunes the forward, dA and dB
+   products at once; larger products have wave-filling tiles the rule
+   chooses well);
 5. the shipped table's nearest M bucket for this (layout, N, K);
 6. the library's analytic rule (waves and tile-slot waste,
    ``cuda_ffi.chosen_config``).
@@ -102,6 +107,10 @@ def _autotune_enabled() -> bool:
 
 def _tune_max_bytes() -> int:
   return int(float(os.environ.get("RLK_DET_GEMM_TUNE_MAX_MB", "2048")) * 2**20)
+
+
+def _tune_max_flops() -> float:
+  return float(os.environ.get("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1.5")) * 1e12
 
 
 def cache_path(device: str, build: str) -> pathlib.Path:
@@ -261,7 +270,8 @@ def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
 def _tunable(memo_key, m, n, k, out_f32) -> bool:
   operand_bytes = 2 * (m * k + k * n) + (4 if out_f32 else 2) * m * n
   return (_autotune_enabled() and memo_key not in _untunable
-          and operand_bytes <= _tune_max_bytes())
+          and operand_bytes <= _tune_max_bytes()
+          and 2 * m * n * k <= _tune_max_flops())
 
 
 def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):

@@ -160,3 +160,53 @@ def test_tile_configs_are_timed_and_tabled_and_a_failing_one_is_a_row(
   chosen = [r for r in csv.DictReader(open(tmp_path / "det_gemm_pallas_configs.csv"))
             if r["chosen"] == "1"]
   assert [r["config"] for r in chosen] == [table[key]]
+
+
+def _sweep_with_flags():
+  from absl import flags
+
+  from benchmarks import bench_det_gemm_sweep as sweep
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return sweep
+
+
+def test_sweep_timing_plan_reads_every_decode_weight_from_hbm():
+  sweep = _sweep_with_flags()
+  weight = 2 * 4096 * 4096  # 32 MB: a set fits the H100's 50 MB L2
+  n_sets, iters = sweep.timing_plan((1, 4096), (4096, 4096), 2 * 4096 * 4096,
+                                    4096)
+  assert n_sets * weight >= 256 << 20
+  # 10 ms of weight reads at 3 TB/s per sample (11 us a call), not 10 ms
+  # of FLOPs at 700 TFLOP/s (200,000 calls)
+  assert 500 < iters * n_sets < 2000
+  # a large product: one set, a call or a few per sample
+  assert sweep.timing_plan((16384, 8192), (8192, 28672),
+                           2 * 16384 * 8192 * 28672, 16384 * 28672) == (1, 1)
+
+
+def test_sweep_summary_splits_by_cublas_bits_and_gives_decode_floors():
+  sweep = _sweep_with_flags()
+  Row = harness.Row
+  big, small = "f q M=1 K=8192 N=8192 fwd", "f q M=1 K=2048 N=2048 fwd"
+  rows = [
+      Row(sweep.BENCH, big, "cublas", 0.050, floor_ms=0.045,
+          note="cublas bits: 1 of 1 rows differ from rlk's"),
+      Row(sweep.BENCH, big, "rlk_cuda_ffi_kernel", 0.049, floor_ms=0.045),
+      Row(sweep.BENCH, small, "cublas", 0.008, floor_ms=0.003,
+          note="cublas bits: 0 of 1 rows differ from rlk's"),
+      Row(sweep.BENCH, small, "rlk_cuda_ffi_kernel", 0.010, floor_ms=0.003),
+  ]
+  text = sweep.summarize(rows)
+  # only the 128 MB weight is held to the byte floor
+  assert "- rlk_cuda_ffi_kernel: geomean 1.09x, worst 1.09x over 1 products" \
+      in text
+  assert "- cublas: geomean 1.11x, worst 1.11x over 1 products" in text
+  assert "| fwd | 1 | 0.800 | 1 | 1.020 |" in text
+
+
+def test_tuning_cost_benchmark_says_why_it_measured_nothing_without_sm90():
+  from benchmarks import bench_det_gemm_tuning
+  rows = bench_det_gemm_tuning.run(smoke=True)
+  assert len(rows) == 1 and rows[0].median_ms is None
+  assert "not measured" in rows[0].note

@@ -25,6 +25,7 @@ def fake_library(monkeypatch, tmp_path):
   monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path))
   monkeypatch.delenv("RLK_DET_GEMM_AUTOTUNE", raising=False)
   monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_MB", raising=False)
+  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_TFLOP", raising=False)
   calls = {"timed": [], "rule": []}
   times = {}
 
@@ -141,6 +142,24 @@ def test_switch_off_and_memory_limit(fake_library, monkeypatch):
   monkeypatch.setenv("RLK_DET_GEMM_TUNE_MAX_MB", "2048")
   choose(1000)
   assert len(calls["timed"]) == 1
+
+
+def test_time_limit_leaves_large_products_to_table_and_rule(fake_library,
+                                                            monkeypatch):
+  # The default 1.5 TFLOP: 8192 x 28672 x 8192 (3.8 TFLOP) is not measured,
+  # 1024 x 28672 x 8192 (0.48 TFLOP) is.
+  calls, _, ship = fake_library
+  assert choose(8192, n=28672, k=8192) == "pingpong_64x128"
+  assert calls["timed"] == []
+  choose(1024, n=28672, k=8192)
+  assert calls["timed"] == [(1024, 28672, 8192, False, False, False)]
+  # a shipped measurement of that shape at another M answers instead
+  ship(DEVICE, {"000 4096 28672 8192": "cooperative_256x192"})
+  assert choose(8192, n=28672, k=8192) == "cooperative_256x192"
+  monkeypatch.setenv("RLK_DET_GEMM_TUNE_MAX_TFLOP", "4")
+  tuning.clear_memo()
+  choose(8000, n=28672, k=8192)
+  assert len(calls["timed"]) == 2
 
 
 def test_failed_tuning_falls_back_and_is_not_retried(fake_library, caplog):

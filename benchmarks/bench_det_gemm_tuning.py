@@ -1,0 +1,225 @@
+"""What det_gemm's autotuner costs a user: the first use of a product shape
+rlk has not measured (no shipped table entry, no cache), and a call once
+the choice is kept.
+
+    python -m benchmarks --only det_gemm_tuning
+
+Every case runs on an empty tuning cache of its own with the shipped tables
+off, so each shape is new. Rows (``median_ms`` is the cost):
+
+* ``first use <family> <proj> M=.. fwd``, implementation ``rlk_autotune``:
+  ``choose_config`` on a new forward product: measuring the candidates
+  (``cuda_ffi.time_configs``), or, past the tuning limits, the table and
+  rule fallback; the note says which and what was chosen. M covers decode
+  rows to long sequences on three families' projections.
+* ``first use fwd+bwd ...``, ``torch_eager``: the torch bridge's first
+  forward and backward of a new shape (its C++ route chooses the forward,
+  dA and dB configs together) less the same call once chosen;
+  ``jax_jit``: the first call of a jitted ``value_and_grad`` over
+  ``rlk_jax.det_gemm`` (trace, tuning, compile, run) less the same for a
+  second function of the same shapes, whose choices are kept.
+* ``cached lookup``: what a call pays for the kept choice. The torch
+  bridge's plan lookup (``torch_plan_hit``) and the memo
+  (``choose_config_hit``), beside an eager ``det_gemm`` call
+  (``torch_eager_det_gemm``) and the operator called with its configs
+  pinned (``torch_op_pinned``) for scale. A jitted JAX program chooses
+  while tracing, so its calls look nothing up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import bench_det_gemm_sweep as sweep
+from benchmarks import harness
+from benchmarks.harness import Row
+
+BENCH = "det_gemm_tuning"
+FAMILIES = ("qwen3-1.7b", "llama3.1-8b", "llama3.1-70b")
+# New to the tuner (its cache is empty and the tables off): decode rows,
+# ragged prefill and training micro-batches.
+FIRST_USE_MS = (1, 24, 200, 1500, 6000)
+# (M, K, N) of the route cases: a llama3.1-8b qkv at a ragged token count.
+ROUTE_SHAPE = (1500, 4096, 6144)
+
+
+@contextlib.contextmanager
+def _fresh_tuner():
+  """An empty on-disk cache, the shipped tables off and no memo: every
+  product is new to the tuner."""
+  from rlk_jax import _gemm_tuning
+  saved = {v: os.environ.get(v) for v in
+           ("RLK_CACHE_DIR", "RLK_DET_GEMM_TUNED_TABLES")}
+  with tempfile.TemporaryDirectory() as cache:
+    os.environ["RLK_CACHE_DIR"] = cache
+    os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
+    _gemm_tuning.clear_memo()
+    try:
+      yield
+    finally:
+      for var, value in saved.items():
+        if value is None:
+          os.environ.pop(var, None)
+        else:
+          os.environ[var] = value
+      _gemm_tuning.clear_memo()
+
+
+def run(smoke: bool) -> list[Row]:
+  import rlk_jax
+  if smoke or rlk_jax.implementations("det_gemm").get("cuda_ffi") is not None:
+    why = rlk_jax.implementations("det_gemm").get("cuda_ffi") or "smoke run"
+    return [harness.progress(Row(
+        BENCH, "first use", "rlk_autotune",
+        note=f"not measured: the tuner times SM90 kernels ({why})"))]
+  rows = []
+  with _fresh_tuner():
+    rows += _first_use_rows()
+  with _fresh_tuner():
+    rows += _route_rows()
+  rows += _lookup_rows()
+  return rows
+
+
+def _first_use_rows() -> list[Row]:
+  import cuda_ffi
+  from rlk_jax import _gemm_tuning
+  path = _gemm_tuning.cache_path(_gemm_tuning._device_name(),
+                                 cuda_ffi.build_id())
+  rows = []
+  for family in FAMILIES:
+    for proj, k, n in sweep.products(family, sweep.FAMILIES[family]):
+      for m in FIRST_USE_MS:
+        start = time.perf_counter()
+        config = _gemm_tuning.choose_config(m, n, k, transpose_a=False,
+                                            transpose_b=False, out_f32=False)
+        ms = (time.perf_counter() - start) * 1e3
+        key = _gemm_tuning.product_key(m, n, k, False, False, False)
+        how = ("measured" if _gemm_tuning.DiskCache(path).get(key) else
+               "past the tuning limits: table and rule")
+        rows.append(harness.progress(Row(
+            BENCH, f"first use {family} {proj} M={m} K={k} N={n} fwd",
+            "rlk_autotune", ms, note=f"{how}; config {config}; "
+            f"{2 * m * n * k / 1e12:.3g} TFLOP")))
+  return rows
+
+
+def _route_rows() -> list[Row]:
+  m, k, n = ROUTE_SHAPE
+  rows = []
+  torch = harness.torch_or_none()
+  if torch is not None:
+    rows.append(_torch_first_use(torch, m, k, n))
+  rows.append(_jax_first_use(m, k, n))
+  return rows
+
+
+def _torch_first_use(torch, m, k, n) -> Row:
+  import rlk_torch_bridge
+  gen = torch.Generator(device="cuda").manual_seed(m)
+  warm_a = torch.randn(64, 64, device="cuda", generator=gen,
+                       dtype=torch.bfloat16, requires_grad=True)
+  warm_b = torch.randn(64, 64, device="cuda", generator=gen,
+                       dtype=torch.bfloat16, requires_grad=True)
+
+  def step(a, b):  # forward and backward, finished
+    rlk_torch_bridge.det_gemm(a, b).float().sum().backward()
+    torch.cuda.synchronize()
+
+  step(warm_a, warm_b)  # the C++ operator built and loaded beforehand
+  a = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16,
+                  requires_grad=True)
+  b = torch.randn(k, n, device="cuda", generator=gen, dtype=torch.bfloat16,
+                  requires_grad=True)
+  start = time.perf_counter()
+  step(a, b)
+  first = time.perf_counter() - start
+  again = statistics.median(_seconds(lambda: step(a, b)) for _ in range(5))
+  return harness.progress(Row(
+      BENCH, f"first use fwd+bwd M={m} K={k} N={n}", "torch_eager",
+      (first - again) * 1e3, note=f"first call {first * 1e3:.1f} ms, then "
+      f"{again * 1e3:.2f} ms"))
+
+
+def _jax_first_use(m, k, n) -> Row:
+  import rlk_jax
+  keys = jax.random.split(jax.random.key(m), 2)
+  a = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.float32).astype(jnp.bfloat16)
+
+  def loss(a, b):
+    return rlk_jax.det_gemm(a, b).astype(jnp.float32).sum()
+
+  def first_call():  # a new function object: traced and compiled afresh
+    step = jax.jit(jax.value_and_grad(lambda a, b: loss(a, b), (0, 1)))
+    return _seconds(lambda: jax.block_until_ready(step(a, b)))
+
+  first, kept = first_call(), first_call()
+  return harness.progress(Row(
+      BENCH, f"first use fwd+bwd M={m} K={k} N={n}", "jax_jit",
+      (first - kept) * 1e3, note=f"first call {first * 1e3:.1f} ms, a "
+      f"second function of the same shapes {kept * 1e3:.1f} ms (trace and "
+      "compile, choices kept)"))
+
+
+def _lookup_rows(calls: int = 2000) -> list[Row]:
+  from rlk_jax import _gemm_tuning
+  rows = []
+  m, k, n = 1, 2048, 2048
+  key = dict(transpose_a=False, transpose_b=False, out_f32=False)
+  _gemm_tuning.choose_config(m, n, k, **key)
+  rows.append(_per_call_row(
+      "choose_config_hit",
+      lambda: _gemm_tuning.choose_config(m, n, k, **key), calls))
+  torch = harness.torch_or_none()
+  if torch is None:
+    return rows
+  import cuda_ffi
+  import rlk_torch_bridge
+  from rlk_torch_bridge import _cpp_autograd
+  a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+  b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+  rlk_torch_bridge.det_gemm(a, b)
+  if _cpp_autograd.product(a, b, False, torch.bfloat16, None) is not None:
+    rows.append(_per_call_row(
+        "torch_plan_hit",
+        lambda: _cpp_autograd.product(a, b, False, torch.bfloat16, None),
+        calls))
+  codes = [cuda_ffi.CONFIGS[_gemm_tuning.choose_config(
+      pm, pn, pk, transpose_a=ta, transpose_b=tb, out_f32=f32)]
+      for pm, pn, pk, ta, tb, f32 in _cpp_autograd._products(
+          m, n, k, False, False)]
+  op = torch.ops.rlk.det_mm_sm90.default
+  rows.append(_per_call_row(
+      "torch_eager_det_gemm", lambda: rlk_torch_bridge.det_gemm(a, b), calls,
+      torch.cuda.synchronize))
+  rows.append(_per_call_row(
+      "torch_op_pinned", lambda: op(a, b, False, torch.bfloat16, *codes),
+      calls, torch.cuda.synchronize))
+  return rows
+
+
+def _per_call_row(name, fn, calls, sync=None) -> Row:
+  """Host time per call of `fn` over `calls` calls (median of 5 runs)."""
+  def batch():
+    for _ in range(calls):
+      fn()
+    if sync:
+      sync()
+  batch()
+  ms = statistics.median(_seconds(batch) for _ in range(5)) * 1e3 / calls
+  return harness.progress(Row(BENCH, "cached lookup M=1 K=2048 N=2048",
+                              name, ms))
+
+
+def _seconds(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
