@@ -143,6 +143,11 @@ SAMPLE_MS = flags.DEFINE_float(
     "--sweep_kernel_times on small products, 1 is enough for the kernel "
     "time and spares the host's dispatch of ten times as many jitted "
     "programs (0.1-0.5 ms each on the H100).")
+TUNE_ONLY = flags.DEFINE_bool(
+    "sweep_tune_only", False, "Only let rlk's autotuner choose each "
+    "product's SM90 config (with --sweep_retune: measure every product "
+    "again) and write the table, timing no competitor: a table over the "
+    "whole sweep in minutes.")
 COMPARE_BITS = flags.DEFINE_bool(
     "sweep_compare_bits", False, "Also compare cuBLAS's result with rlk's "
     "bit for bit on each product (its cublas row notes the rows that "
@@ -258,6 +263,11 @@ def run(smoke: bool) -> list[Row]:
           skipped += 3
           continue
         for layout in LAYOUTS_FLAG.value or LAYOUTS:
+          if TUNE_ONLY.value:
+            if on_gpu and rlk_ready.get("cuda_ffi"):
+              _tune(f"{family} {proj} M={m} K={k} N={n} {layout}",
+                    *layout_product(layout, m, k, n))
+            continue
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
           # Tile tables after every product: a device call's time limit
@@ -531,6 +541,16 @@ def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
                "source": "benchmarks/bench_det_gemm_sweep.py "
                          f"--sweep_{backend}_configs", "entries": table},
               f, indent=0, sort_keys=True)
+
+
+def _tune(case, ta, tb, _x_shape, _y_shape, dims) -> None:
+  from rlk_jax import _gemm_tuning
+  m, n, k = dims
+  start = time.perf_counter()
+  config = _gemm_tuning.choose_config(m, n, k, transpose_a=ta, transpose_b=tb,
+                                      out_f32=False)
+  print(f"  {case} | chose {config} in {time.perf_counter() - start:.3f} s",
+        file=sys.stderr, flush=True)
 
 
 def _chosen_config(m, n, k, ta, tb) -> str:

@@ -324,11 +324,19 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 // with it). Every config runs the same problem on the library's own
 // buffers, on a stream of its own: the caller's streams are never waited
 // on nor synchronized, and nothing is captured into a graph a caller is
-// recording (this thread's capture mode is relaxed for the duration, and
-// the Python side never calls this while its stream is capturing).
+// recording (this thread's capture mode is relaxed for the duration, the
+// only capture is of our own stream, and the Python side never calls this
+// while its stream is capturing).
+//
+// A config's timed launches are one CUDA graph, replayed: launched one by
+// one from the host, a product of a few microseconds runs at the host's
+// launch rate (every config alike: 8-10 us a launch on the H100 where the
+// graph-replayed kernel took 6 us), so the choice would be noise. Users
+// replay too (XLA's command buffers, torch's CUDA graphs).
 class ConfigTimer {
  public:
   ~ConfigTimer() {
+    for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
     for (void* p : buffers_) cudaFreeAsync(p, stream_);
     if (stream_ != nullptr) {
       cudaStreamSynchronize(stream_);  // ours alone
@@ -425,8 +433,31 @@ class ConfigTimer {
       cudaEventElapsedTime(&ms, probe[2 * j], probe[2 * j + 1]);
       fastest = std::min(fastest, ms);
     }
+    // The probe ran at the host's pace: sizing from it gives tiny products
+    // fewer repetitions than min_ms asks, never more.
     const int reps = static_cast<int>(std::min<double>(
         256, std::max<double>(1, min_ms / std::max(fastest, 1e-4f) + 0.999)));
+    for (int j = 0; j < n_live; ++j) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed) !=
+          cudaSuccess) {
+        cudaGetLastError();
+        return "rlk cuda_ffi det_gemm timing: cannot capture a graph";
+      }
+      const bool launched = launch(live[j], reps);
+      const bool captured =
+          cudaStreamEndCapture(stream_, &graph) == cudaSuccess && launched;
+      const bool ready = captured && cudaGraphInstantiate(&exec, graph, 0) ==
+                                         cudaSuccess;
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      if (!ready) {
+        cudaGetLastError();
+        return "rlk cuda_ffi det_gemm timing: cannot build the timed graph";
+      }
+      graphs_.push_back(exec);
+      cudaGraphLaunch(exec, stream_);  // the graph's own first-launch upload
+    }
     // Interleaved rounds, the order rotated every round: on a power-capped
     // card, one config after another would hand the later ones a hotter
     // card.
@@ -436,7 +467,7 @@ class ConfigTimer {
       for (int t = 0; t < n_live; ++t) {
         const int j = (t + r) % n_live;
         cudaEventRecord(marks[2 * (r * n_live + j)], stream_);
-        launch(live[j], reps);
+        cudaGraphLaunch(graphs_[j], stream_);
         cudaEventRecord(marks[2 * (r * n_live + j) + 1], stream_);
       }
     }
@@ -479,6 +510,7 @@ class ConfigTimer {
   cudaStream_t stream_ = nullptr;
   std::vector<void*> buffers_;
   std::vector<cudaEvent_t> events_;
+  std::vector<cudaGraphExec_t> graphs_;
   cudaStreamCaptureMode saved_mode_ = cudaStreamCaptureModeRelaxed;
 };
 
