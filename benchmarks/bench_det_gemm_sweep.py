@@ -83,7 +83,8 @@ SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # products, each with its byte floor (operand bytes over the copy bandwidth
 # measured in the same run) in its rows.
 DECODE_MS = (1, 2, 4, 8, 16, 32, 64)
-# The issue's bar for a weight this large: within 1.2x of its byte floor.
+# Decode rows with a weight this large are held to their byte floor
+# (rlk's goal: within 1.2x of it); smaller ones are launch-bound.
 FLOOR_WEIGHT_BYTES = 64 << 20
 LAYOUTS = ("fwd", "dA", "dB")
 IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
@@ -246,8 +247,10 @@ def run(smoke: bool) -> list[Row]:
   jax_ms = ({int(m) for m in JAX_MS.value} if JAX_MS.value and not smoke
             else set(ms))
   # The sweep is where rlk's tables come from: tune every product, however
-  # large (a user's process tunes only up to RLK_DET_GEMM_TUNE_MAX_MB).
+  # large (a user's process tunes only up to RLK_DET_GEMM_TUNE_MAX_MB and
+  # RLK_DET_GEMM_TUNE_MAX_TFLOP).
   os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_MB", "65536")
+  os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1e6")
   if RETUNE.value:
     os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
   rows, skipped = [], 0
@@ -266,7 +269,7 @@ def run(smoke: bool) -> list[Row]:
           if TUNE_ONLY.value:
             if on_gpu and rlk_ready.get("cuda_ffi"):
               _tune(f"{family} {proj} M={m} K={k} N={n} {layout}",
-                    *layout_product(layout, m, k, n))
+                    layout, m, k, n)
             continue
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
@@ -543,12 +546,14 @@ def _write_tile_tuning(out_dir: str, backend: str, times: dict) -> None:
               f, indent=0, sort_keys=True)
 
 
-def _tune(case, ta, tb, _x_shape, _y_shape, dims) -> None:
+def _tune(case, layout, m, k, n) -> None:
+  """rlk's choice for one product, measured now unless the cache or a
+  table already has it."""
   from rlk_jax import _gemm_tuning
-  m, n, k = dims
+  ta, tb, _, _, (pm, pn, pk) = layout_product(layout, m, k, n)
   start = time.perf_counter()
-  config = _gemm_tuning.choose_config(m, n, k, transpose_a=ta, transpose_b=tb,
-                                      out_f32=False)
+  config = _gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
+                                      transpose_b=tb, out_f32=False)
   print(f"  {case} | chose {config} in {time.perf_counter() - start:.3f} s",
         file=sys.stderr, flush=True)
 
@@ -616,22 +621,25 @@ def summarize(rows: list[Row]) -> str:
            "over the products; above 1 is faster).", "",
            "| implementation | layout | " + " | ".join(f"M={m}" for m in ms)
            + " | all M |", "|" + "---|" * (len(ms) + 3)]
-  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
   for impl in [i for i in IMPLS if any(k[0] == i for k in ratios)]:
     for layout in LAYOUTS:
-      cells = [f"{geo(ratios[(impl, layout, m)]):.2f}"
+      cells = [f"{_geomean(ratios[(impl, layout, m)]):.2f}"
                if (impl, layout, m) in ratios else "" for m in ms]
       every = [x for (i, l, m), xs in ratios.items() if i == impl
                and l == layout for x in xs]
       lines.append(f"| {impl} | {layout} | " + " | ".join(cells)
-                   + (f" | {geo(every):.2f} |" if every else " | |"))
+                   + (f" | {_geomean(every):.2f} |" if every else " | |"))
     lines.append(f"| {impl} | all | " + " | " * len(ms)
-                 + f"{geo(ratios[(impl, 'all', 0)]):.2f} |")
+                 + f"{_geomean(ratios[(impl, 'all', 0)]):.2f} |")
   lines += ["", "Slowest products against cuBLAS:", ""]
   for impl, xs in worst.items():
     lines.append(f"- {impl}: " + "; ".join(
         f"{case} {x:.2f}x" for x, case in sorted(xs)[:5]))
   return "\n".join(lines + _floor_lines(rows) + _bits_lines(rows, peer))
+
+
+def _geomean(xs) -> float:
+  return math.exp(statistics.fmean(map(math.log, xs)))
 
 
 def _dims(case: str) -> dict[str, int]:
@@ -649,12 +657,12 @@ def _floor_lines(rows: list[Row]) -> list[str]:
         over.setdefault(r.implementation, []).append(r.ratio_to_floor)
   if not over:
     return []
-  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
   return ["", f"Decode rows with a weight of {FLOOR_WEIGHT_BYTES >> 20} MB "
           "or more, time over the byte floor (operand bytes over the copy "
           "bandwidth measured in this run):", ""] + [
-              f"- {impl}: geomean {geo(xs):.2f}x, worst {max(xs):.2f}x over "
-              f"{len(xs)} products" for impl, xs in over.items()]
+              f"- {impl}: geomean {_geomean(xs):.2f}x, worst "
+              f"{max(xs):.2f}x over {len(xs)} products"
+              for impl, xs in over.items()]
 
 
 def _bits_lines(rows: list[Row], peer: dict[str, float]) -> list[str]:
@@ -673,7 +681,6 @@ def _bits_lines(rows: list[Row], peer: dict[str, float]) -> list[str]:
           peer[r.case] / r.median_ms)
   if not groups:
     return []
-  geo = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))
   lines = ["", "rlk_cuda_ffi_kernel against cuBLAS, by whether cuBLAS "
            "computed rlk's bits (a different result means a split or "
            "reordered reduction, which no batch-invariant GEMM may use):", "",
@@ -683,7 +690,7 @@ def _bits_lines(rows: list[Row], peer: dict[str, float]) -> list[str]:
     cells = []
     for d in (False, True):
       xs = groups.get((layout, d), [])
-      cells += [str(len(xs)), f"{geo(xs):.3f}" if xs else ""]
+      cells += [str(len(xs)), f"{_geomean(xs):.3f}" if xs else ""]
     if any(groups.get((layout, d)) for d in (False, True)):
       lines.append(f"| {layout} | " + " | ".join(cells) + " |")
   return lines

@@ -53,11 +53,16 @@ ROUTE_SHAPE = (1500, 4096, 6144)
 @contextlib.contextmanager
 def _fresh_tuner():
   """An empty on-disk cache, the shipped tables off and no memo: every
-  product is new to the tuner."""
+  product is new to the tuner, whose switches and limits are the defaults
+  a user gets (the sweep, run before in the same process, lifts them)."""
   from rlk_jax import _gemm_tuning
   saved = {v: os.environ.get(v) for v in
-           ("RLK_CACHE_DIR", "RLK_DET_GEMM_TUNED_TABLES")}
+           ("RLK_CACHE_DIR", "RLK_DET_GEMM_TUNED_TABLES",
+            "RLK_DET_GEMM_AUTOTUNE", "RLK_DET_GEMM_TUNE_MAX_MB",
+            "RLK_DET_GEMM_TUNE_MAX_TFLOP")}
   with tempfile.TemporaryDirectory() as cache:
+    for var in saved:
+      os.environ.pop(var, None)
     os.environ["RLK_CACHE_DIR"] = cache
     os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
     _gemm_tuning.clear_memo()

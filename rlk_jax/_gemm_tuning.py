@@ -17,11 +17,11 @@ on this device comes from, in order:
    allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
    recording a CUDA graph, the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
    (default 2048) and the product is at most ``RLK_DET_GEMM_TUNE_MAX_TFLOP``
-   (default 1.5: tuning launches each candidate about seven times, about
-   0.4 s per TFLOP of the product on the H100, so a first use stays within
-   two seconds even where the torch bridge tunes the forward, dA and dB
-   products at once; larger products have wave-filling tiles the rule
-   chooses well);
+   (default 1.5: tuning runs each candidate about eight times, 0.35-0.41 s
+   per TFLOP of the product on the H100, so a first use stays within two
+   seconds even where the torch bridge tunes the forward, dA and dB
+   products at once; larger products fill their waves with the big tiles
+   the table and the rule choose well);
 5. the shipped table's nearest M bucket for this (layout, N, K);
 6. the library's analytic rule (waves and tile-slot waste,
    ``cuda_ffi.chosen_config``).

@@ -210,3 +210,19 @@ def test_tuning_cost_benchmark_says_why_it_measured_nothing_without_sm90():
   rows = bench_det_gemm_tuning.run(smoke=True)
   assert len(rows) == 1 and rows[0].median_ms is None
   assert "not measured" in rows[0].note
+
+
+def test_tuning_cost_runs_on_an_empty_cache_with_a_users_defaults(
+    monkeypatch, tmp_path):
+  from benchmarks import bench_det_gemm_tuning
+  monkeypatch.setenv("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1e6")  # as the sweep sets
+  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("RLK_DET_GEMM_TUNED_TABLES", raising=False)
+  with bench_det_gemm_tuning._fresh_tuner():
+    assert "RLK_DET_GEMM_TUNE_MAX_TFLOP" not in os.environ
+    assert os.environ["RLK_DET_GEMM_TUNED_TABLES"] == "0"
+    fresh = os.environ["RLK_CACHE_DIR"]
+    assert fresh != str(tmp_path) and not os.listdir(fresh)
+  assert os.environ["RLK_DET_GEMM_TUNE_MAX_TFLOP"] == "1e6"
+  assert os.environ["RLK_CACHE_DIR"] == str(tmp_path)
+  assert "RLK_DET_GEMM_TUNED_TABLES" not in os.environ
