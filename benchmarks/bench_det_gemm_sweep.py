@@ -320,7 +320,7 @@ def _cublas_bits_note(torch, ta, tb, x, y, cublas_ms, rlk_ms) -> str:
   note = f"cublas bits: {rows} of {ours.shape[0]} rows differ from rlk's"
   if rows == 0 and cublas_ms and rlk_ms and cublas_ms < 0.97 * rlk_ms:
     try:
-      names = cublaslt_recipe._kernel_names(
+      names = harness.kernel_names(
           torch, lambda: _torch_product(torch, ta, tb)(x, y))
       note += f"; cublas kernel {' '.join(names)}"
     except Exception as e:  # noqa: BLE001 - the bits stand without it
@@ -609,7 +609,7 @@ def summarize(rows: list[Row]) -> str:
     if r.implementation == "cublas" or not r.median_ms or r.case not in peer:
       continue
     layout = r.case.split()[-1]
-    m = int(r.case.split("M=")[1].split()[0])
+    m = _dims(r.case)["M"]
     x = peer[r.case] / r.median_ms
     ratios.setdefault((r.implementation, layout, m), []).append(x)
     ratios.setdefault((r.implementation, "all", 0), []).append(x)

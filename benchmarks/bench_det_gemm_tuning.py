@@ -79,8 +79,9 @@ def _fresh_tuner():
 
 def run(smoke: bool) -> list[Row]:
   import rlk_jax
-  if smoke or rlk_jax.implementations("det_gemm").get("cuda_ffi") is not None:
-    why = rlk_jax.implementations("det_gemm").get("cuda_ffi") or "smoke run"
+  why = rlk_jax.implementations("det_gemm").get("cuda_ffi")
+  if smoke or why is not None:
+    why = why or "smoke run"
     return [harness.progress(Row(
         BENCH, "first use", "rlk_autotune",
         note=f"not measured: the tuner times SM90 kernels ({why})"))]
@@ -186,28 +187,24 @@ def _lookup_rows(calls: int = 2000) -> list[Row]:
   torch = harness.torch_or_none()
   if torch is None:
     return rows
-  import cuda_ffi
   import rlk_torch_bridge
   from rlk_torch_bridge import _cpp_autograd
   a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
   b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
   rlk_torch_bridge.det_gemm(a, b)
-  if _cpp_autograd.product(a, b, False, torch.bfloat16, None) is not None:
+  # The C++ route's kept plan: the operator with its configs bound.
+  plan = _cpp_autograd.product(a, b, False, torch.bfloat16, None)
+  if plan is not None:
     rows.append(_per_call_row(
         "torch_plan_hit",
         lambda: _cpp_autograd.product(a, b, False, torch.bfloat16, None),
         calls))
-  codes = [cuda_ffi.CONFIGS[_gemm_tuning.choose_config(
-      pm, pn, pk, transpose_a=ta, transpose_b=tb, out_f32=f32)]
-      for pm, pn, pk, ta, tb, f32 in _cpp_autograd._products(
-          m, n, k, False, False)]
-  op = torch.ops.rlk.det_mm_sm90.default
   rows.append(_per_call_row(
       "torch_eager_det_gemm", lambda: rlk_torch_bridge.det_gemm(a, b), calls,
       torch.cuda.synchronize))
-  rows.append(_per_call_row(
-      "torch_op_pinned", lambda: op(a, b, False, torch.bfloat16, *codes),
-      calls, torch.cuda.synchronize))
+  if plan is not None:
+    rows.append(_per_call_row("torch_op_pinned", lambda: plan(a, b), calls,
+                              torch.cuda.synchronize))
   return rows
 
 

@@ -121,18 +121,6 @@ def _rows_differ(torch, job) -> dict:
   return out
 
 
-def _kernel_names(torch, fn) -> list[str]:
-  """The CUDA kernels one call of `fn` launches (torch's profiler)."""
-  fn()
-  torch.cuda.synchronize()
-  with torch.profiler.profile(
-      activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    fn()
-    torch.cuda.synchronize()
-  return sorted({e.key for e in prof.key_averages()
-                 if e.device_type == torch.autograd.DeviceType.CUDA})
-
-
 def _k_alignment(torch, job) -> dict:
   """Why a K that is not a multiple of 8 gives other bits: torch.matmul
   (forward layout) against rlk on the same product computed several ways.
@@ -141,6 +129,7 @@ def _k_alignment(torch, job) -> dict:
   zero-padded at the front instead. Rows differing of each, and the kernels
   torch launched."""
   import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
+  from benchmarks import harness
   op = torch.ops.rlk.det_mm
   out = {}
   for m, k, n in job["products"]:
@@ -167,7 +156,8 @@ def _k_alignment(torch, job) -> dict:
         result[name] = _rows_apart(way(), ref)
       except Exception as e:  # noqa: BLE001 - the probe records it
         result[name] = f"{type(e).__name__}: {str(e)[:80]}"
-    result["torch kernels"] = _kernel_names(torch, lambda: torch.matmul(x, y))
+    result["torch kernels"] = harness.kernel_names(
+        torch, lambda: torch.matmul(x, y))
     out[label] = result
   return out
 
@@ -179,8 +169,8 @@ def _time(torch, job) -> list[dict]:
   name = job["setting"]
   rows = []
   for case, m, k, n, layout in job["products"]:
-    ta, tb, x_shape, y_shape, (pm, pn, _) = sweep.layout_product(layout, m,
-                                                                k, n)
+    ta, tb, x_shape, y_shape, (pm, pn, _) = sweep.layout_product(
+        layout, m, k, n)
     flops = 2 * m * n * k
     n_sets, iters = sweep.timing_plan(x_shape, y_shape, flops, pm * pn)
     pairs = [_operands(torch, f"{case} {i}", (x_shape, y_shape), "cuda")
@@ -194,7 +184,8 @@ def _time(torch, job) -> list[dict]:
     # Which kernel cuBLAS chose: where it runs faster with rlk's bits, its
     # tile and cluster shapes say what config rlk lacks.
     try:
-      kernels = " ".join(_kernel_names(torch, lambda: product(*pairs[0])))
+      kernels = " ".join(harness.kernel_names(
+          torch, lambda: product(*pairs[0])))
     except Exception as e:  # noqa: BLE001 - the timing stands without it
       kernels = f"unknown ({type(e).__name__})"
     timed[0].note = "; ".join(filter(None, [timed[0].note, f"kernel {kernels}"]))

@@ -238,6 +238,19 @@ def _busy_per_call(spans, calls: int) -> tuple[float, float] | None:
   return (reach - hot[0][0]) / counted / 1e3, busy_us / counted / 1e3
 
 
+def kernel_names(torch, fn) -> list[str]:
+  """The CUDA kernels one call of `fn` launches (torch's profiler): which
+  kernel a library chose, e.g. cuBLAS's tile and cluster."""
+  fn()
+  torch.cuda.synchronize()
+  with torch.profiler.profile(
+      activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    fn()
+    torch.cuda.synchronize()
+  return sorted({e.key for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
 def traced_kernel_times(batches: dict[str, tuple[Callable, int]],
                         n_batches: int
                         ) -> tuple[dict[str, tuple[float, float] | None], str]:
