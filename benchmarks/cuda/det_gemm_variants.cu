@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..37, see Entry below), then
+// (n = 0..52, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -109,6 +109,27 @@ RLK_ENTRY(34, "coop256x192_c2x1 (shipped for some N)", false, Cooperative256x192
 RLK_ENTRY(35, "coop256x160_c1x2", false, Variant<256, 160, 1, 2, false>)
 RLK_ENTRY(36, "coop256x160_c2x1", false, Variant<256, 160, 2, 1, false>)
 RLK_ENTRY(37, "coop256x176_c2x1", false, Variant<256, 176, 2, 1, false>)
+// cuBLAS's nvjet tiles where rlk fell below 0.90x (H100, det_gemm_graph_tuner
+// 9cd4f50), in rlk's M x N (cuBLAS names the weight's columns first): 320
+// weight columns per CTA (2 x n160 MMAs per warpgroup; the TMA box splits
+// 320 rows into 8 x 40), and 96- and 160-wide tiles in large clusters.
+RLK_ENTRY(38, "coop128x320_c2x1", false, Variant<128, 320, 2, 1, false>)
+RLK_ENTRY(39, "coop128x320_c1x1", false, Variant<128, 320, 1, 1, false>)
+RLK_ENTRY(40, "coop128x320_c4x1", false, Variant<128, 320, 4, 1, false>)
+RLK_ENTRY(41, "pp64x320_c2x1", false, Variant<64, 320, 2, 1, true>)
+RLK_ENTRY(42, "pp64x320_c4x1", false, Variant<64, 320, 4, 1, true>)
+RLK_ENTRY(43, "pp128x96_c2x4", false, Variant<128, 96, 2, 4, true>)
+RLK_ENTRY(44, "pp128x96_c1x2", false, Variant<128, 96, 1, 2, true>)
+RLK_ENTRY(45, "pp64x160_c4x2", false, Variant<64, 160, 4, 2, true>)
+RLK_ENTRY(46, "pp64x160_c2x1", false, Variant<64, 160, 2, 1, true>)
+RLK_ENTRY(47, "pp64x96_c2x4", false, Variant<64, 96, 2, 4, true>)
+RLK_ENTRY(48, "coop128x96_c2x4", false, Variant<128, 96, 2, 4, false>)
+RLK_ENTRY(49, "coop128x320_c2x1 B[N,K]", true, Variant<128, 320, 2, 1, false>)
+// A shared too (2x2), and a 128x64 epilogue subtile (320 = 5 x 64).
+RLK_ENTRY(50, "coop128x320_c2x2", false, Variant<128, 320, 2, 2, false>)
+RLK_ENTRY(51, "coop128x320_c2x1_epi128x64", false,
+          WithEpilogue<128, 64, Variant<128, 320, 2, 1, false>>)
+RLK_ENTRY(52, "pp64x320_c2x2", false, Variant<64, 320, 2, 2, true>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;

@@ -2,7 +2,9 @@
 experiment, not part of the library).
 
     PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_variants.py <dir with variant_*.so> \
-        [variant indices, e.g. 0,1,12] [shapes, e.g. gate_up,lm_head]
+        [variant indices, e.g. 0,1,12] [shapes, e.g. gate_up,lm_head,1024x14336x5120]
+
+A shape is a name of SHAPES or DECODE, or MxKxN.
 
 Every variant must give the bits of the first variant named (the shipped
 one, 0, unless told otherwise) on every shape before it is timed: they all
@@ -145,7 +147,8 @@ def main(argv):
   ratios = {}
   for shape in shapes:
     decode = shape in DECODE
-    m, k, n = DECODE[shape] if decode else SHAPES[shape]
+    m, k, n = (DECODE[shape] if decode else SHAPES[shape] if shape in SHAPES
+               else map(int, shape.split("x")))
     gen = torch.Generator(device="cuda").manual_seed(m + k + n)
     a_sets = [torch.randn(m, k, device="cuda", generator=gen).bfloat16()
               for _ in range(DECODE_SETS if decode else SETS)]
@@ -195,7 +198,10 @@ def main(argv):
           impls, [(a, bb, torch.empty_like(c)) for a, bb in zip(a_sets, b_sets)],
           graph=True)
     else:
-      times = time_interleaved(impls, [(a, b, c) for a in a_sets], graph=False)
+      # MxKxN shapes are the sweep's, of a few us to a few hundred: graph
+      # replays, as the sweep times them, so the host's launch rate stays out.
+      times = time_interleaved(impls, [(a, b, c) for a in a_sets],
+                               graph=shape not in SHAPES)
     print(f"  after:  {gpu_state()}", flush=True)
     flops = 2 * m * k * n
     for name, ms in times.items():
