@@ -4,6 +4,7 @@ goes into it.
 
     python -m cuda_ffi.build            # build (or find) the library, print its path
     python -m cuda_ffi.build --check    # compile every source for sm_90a, link nothing
+    python -m cuda_ffi.build --objects DIR  # keep objects in DIR; reuse those there
 
 Nothing is downloaded: the inputs are the `nvcc` on PATH (or $CUDA_HOME), the
 installed `nvidia-cutlass` wheel ($RLK_CUTLASS_DIR overrides) and jaxlib. The
@@ -169,14 +170,27 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
   return commands
 
 
+def _output(cmd) -> pathlib.Path:
+  return pathlib.Path(cmd[cmd.index("-o") + 1])
+
+
 def _run_all(commands, jobs: int, log=print):
   def run(cmd):
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # Written under a partial name and renamed once whole, so an object
+    # directory that outlives a killed build (build(objects=...)) never
+    # holds a truncated object that a later build would link.
+    out = _output(cmd)
+    partial = out.with_name(out.name + ".partial")
+    i = cmd.index("-o") + 1
+    done = subprocess.run([*cmd[:i], str(partial), *cmd[i + 1:]],
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+      os.replace(partial, out)
     return cmd, done
   failures = []
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
     for cmd, done in pool.map(run, commands):
-      name = pathlib.Path(cmd[cmd.index("-o") + 1]).name
+      name = _output(cmd).name
       log(f"  {'ok' if done.returncode == 0 else 'FAILED'}: {name}")
       if done.returncode != 0:
         failures.append(f"$ {' '.join(cmd)}\n{done.stderr[-4000:]}")
@@ -184,9 +198,17 @@ def _run_all(commands, jobs: int, log=print):
     raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(failures))
 
 
-def build(jobs: int | None = None, log=print) -> pathlib.Path:
+def build(jobs: int | None = None, log=print,
+          objects: str | os.PathLike | None = None) -> pathlib.Path:
   """Builds the library unless the cache already has it (or RLK_CUDA_FFI_LIB
-  names a prebuilt one); returns its path."""
+  names a prebuilt one); returns its path.
+
+  `objects`: a directory that keeps the compiled objects and is reused:
+  an object already there is not compiled again, so a build stopped
+  part-way (a time limit) resumes, and objects compiled on another machine
+  from the same sources with the same nvcc and CUTLASS can be carried in.
+  Nothing checks that they match these sources: name a directory of this
+  commit's build only."""
   if os.environ.get("RLK_CUDA_FFI_LIB"):
     return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
   nvcc, cutlass, ffi = _inputs()
@@ -198,10 +220,16 @@ def build(jobs: int | None = None, log=print) -> pathlib.Path:
   jobs = jobs or os.cpu_count() or 1
   with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
     tmp = pathlib.Path(tmp)
+    obj_dir = pathlib.Path(objects) if objects is not None else tmp
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    commands = _compile_commands(nvcc, cutlass, ffi, obj_dir)
+    todo = [c for c in commands if not _output(c).is_file()]
     log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
-        f"layouts x {len(kernel_configs())} kernel configs, {jobs} jobs; a one-time cost, cached in {final})")
-    _run_all(_compile_commands(nvcc, cutlass, ffi, tmp), jobs, log)
-    objs = sorted(str(p) for p in tmp.glob("*.o"))
+        f"layouts x {len(kernel_configs())} kernel configs, {len(todo)} of "
+        f"{len(commands)} objects to compile, {jobs} jobs; a one-time cost, "
+        f"cached in {final})")
+    _run_all(todo, jobs, log)
+    objs = sorted(str(_output(c)) for c in commands)
     # cudart linked statically: the library needs only the driver at run time.
     subprocess.run([nvcc, "-shared", "-cudart", "static",
                     "-gencode", "arch=compute_90a,code=sm_90a",
@@ -238,13 +266,16 @@ def main(argv=None) -> int:
   parser.add_argument("--check", action="store_true",
                       help="compile only, into a scratch directory")
   parser.add_argument("--jobs", type=int, default=None)
+  parser.add_argument("--objects", default=None,
+                      help="keep the objects in this directory and reuse "
+                      "those already there (this commit's build only)")
   args = parser.parse_args(argv)
   try:
     if args.check:
       check(args.jobs)
       print("cuda_ffi sources compile for sm_90a")
     else:
-      print(build(args.jobs))
+      print(build(args.jobs, objects=args.objects))
   except BuildUnavailable as e:
     print(f"cuda_ffi: cannot build: {e}", file=sys.stderr)
     return 2

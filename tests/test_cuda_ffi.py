@@ -2,6 +2,7 @@
 unavailable, rlk_jax never picks it, and its sources compile for sm_90a."""
 
 import pathlib
+import subprocess
 
 import jax.numpy as jnp
 import pytest
@@ -70,18 +71,60 @@ def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
                     reason=f"no CUDA toolchain here: {build.toolchain_reason()}")
 def test_sources_compile_for_sm90a():
   # Both values of every template switch (operand layouts, output dtype),
-  # both schedules, every cluster shape (ping-pong in a cluster too), the
-  # swapped tile, the custom epilogue subtile and the largest tile: 7 of the
-  # 128 objects (about 40 s
-  # of nvcc each, so CI stays short). `python -m cuda_ffi.build --check`
+  # both schedules, cluster shapes along both modes (ping-pong in a cluster
+  # too), the swapped tile, the custom epilogue subtile and the tile wider
+  # than one TMA box (320 columns): 7 of the 164 objects (about 40 s of
+  # nvcc each, so CI stays short). `python -m cuda_ffi.build --check`
   # compiles all; every device run builds all.
   build.check(jobs=2, variants=[(0, 0, 0)],
-              configs=["kCooperative128x256", "kCooperative256x192",
+              configs=["kCooperative128x256", "kCooperative128x320",
                        "kPingpong64x128Cluster4x2", "kSwapPingpong64x32",
                        "kCooperative128x256Cluster1x2"], log=lambda *_: None)
   build.check(jobs=2, variants=[(1, 1, 1)],
               configs=["kSwapPingpong64x32", "kCooperative128x256Cluster1x2"],
               log=lambda *_: None)
+
+
+def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
+    tmp_path, monkeypatch):
+  # nvcc stands in: it writes its -o file, or part of it and fails for one
+  # object, as a build killed mid-compile would leave it.
+  monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)
+  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(build, "_inputs", lambda: ("nvcc", tmp_path, tmp_path))
+  monkeypatch.setattr(build, "build_key", lambda *_: "key")
+  compiled, linked, failing = [], [], {"det_gemm_kernels_000_1.o"}
+
+  def nvcc(cmd, capture_output=True, text=True, check=False):
+    out = pathlib.Path(cmd[cmd.index("-o") + 1])
+    out.write_bytes(b"part")
+    final = out.name.removesuffix(".partial")
+    if "-shared" in cmd:
+      linked.append(sorted(pathlib.Path(p).name for p in cmd if p.endswith(".o")))
+    else:
+      compiled.append(final)
+    rc = 1 if final in failing else 0
+    if rc and check:
+      raise subprocess.CalledProcessError(rc, cmd)
+    return subprocess.CompletedProcess(cmd, rc, "", "nvcc died")
+
+  monkeypatch.setattr(build.subprocess, "run", nvcc)
+  objects = tmp_path / "objects"
+  expected = sorted(p.name for p in map(build._output, build._compile_commands(
+      "nvcc", tmp_path, tmp_path, objects)))
+  objects.mkdir()
+  (objects / expected[-1]).write_bytes(b"from another machine")
+  with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1.o"):
+    build.build(jobs=4, log=lambda *_: None, objects=objects)
+  assert not linked
+  assert sorted(compiled) == expected[:-1]  # the carried one was kept
+  assert not (objects / "det_gemm_kernels_000_1.o").exists()  # only .partial
+  compiled.clear()
+  failing.clear()
+  lib = build.build(jobs=4, log=lambda *_: None, objects=objects)
+  assert compiled == ["det_gemm_kernels_000_1.o"]  # resumed: the one missing
+  assert linked == [expected]
+  assert lib == tmp_path / "cache" / "cuda_ffi" / "key" / build.LIBRARY_NAME
 
 
 def test_every_source_is_part_of_the_build():

@@ -134,6 +134,22 @@ using Pingpong64x64Cluster2x1 = Tiles<64, 64, 2, 1, Pingpong>;
 // in 1x2 clusters).
 using Pingpong64x128Cluster4x2 = Tiles<64, 128, 4, 2, Pingpong>;
 using Pingpong64x64Cluster1x2 = Tiles<64, 64, 1, 2, Pingpong>;
+// cuBLASLt's nvjet tiles on the products still below 0.90x cuBLAS with the
+// configs above (H100, det_gemm_graph_tuner-9cd4f50), in our M x N:
+// 320 weight columns per CTA where N is a multiple of 320 or close to one
+// (N = 5120, 10240, 4608 at M 512-2048: 128x320 fills 8-16 column tiles a
+// row with no ragged edge, where 256x192 and 128x256 leave one). CUTLASS
+// builds the tile from two 64x160 MMAs per warpgroup, each output still
+// one f32 sum in K order, and loads B's 320 columns as a 3-D TMA box (a
+// box is at most 256 wide). The 96-column tiles in 2x4 clusters are its
+// M=256 kernel for a long K with N ~ 5120: each weight tile is read once
+// for both row tiles and each A tile once for four column tiles. The
+// variant probe (benchmarks/cuda/det_gemm_variants.py, entries 38-52) ran
+// these 1.0-1.2x faster than the best older config on those products.
+using Cooperative128x320 = Tiles<128, 320, 2, 1, Cooperative>;
+using Pingpong64x320Cluster2x1 = Tiles<64, 320, 2, 1, Pingpong>;
+using Pingpong128x96Cluster2x4 = Tiles<128, 96, 2, 4, Pingpong>;
+using Pingpong128x128Cluster1x2 = Tiles<128, 128, 1, 2, Pingpong>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -321,6 +337,10 @@ RLK_CONFIG_OF(Pingpong64x128Cluster2x1)
 RLK_CONFIG_OF(Pingpong64x64Cluster2x1)
 RLK_CONFIG_OF(Pingpong64x128Cluster4x2)
 RLK_CONFIG_OF(Pingpong64x64Cluster1x2)
+RLK_CONFIG_OF(Cooperative128x320)
+RLK_CONFIG_OF(Pingpong64x320Cluster2x1)
+RLK_CONFIG_OF(Pingpong128x96Cluster2x4)
+RLK_CONFIG_OF(Pingpong128x128Cluster1x2)
 #undef RLK_CONFIG_OF
 
 }  // namespace

@@ -70,7 +70,12 @@ enum class GemmConfig : int {
   kPingpong64x64Cluster2x1 = 15,   // hundred rows, a long K
   kPingpong64x128Cluster4x2 = 16,  // B shared by four row tiles, A by two
   kPingpong64x64Cluster1x2 = 17,   // A shared along N: short K, few rows
-  kLastConfig = kPingpong64x64Cluster1x2,
+  kCooperative128x320 = 18,        // 2x1 cluster: N in 320s, M 512-2048
+  kPingpong64x320Cluster2x1 = 19,  // N in 320s, M ~512
+  kPingpong128x96Cluster2x4 = 20,  // M ~256, a long K: B to two row tiles,
+                                   // A to four column tiles
+  kPingpong128x128Cluster1x2 = 21, // A shared along N
+  kLastConfig = kPingpong128x128Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -82,7 +87,9 @@ enum class GemmConfig : int {
   X(kPingpong128x128) X(kCooperative128x128) X(kCooperative256x128)      \
   X(kCooperative128x192) X(kPingpong64x256) X(kCooperative128x256Cluster1x2) \
   X(kPingpong64x128Cluster2x1) X(kPingpong64x64Cluster2x1)              \
-  X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)
+  X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)              \
+  X(kCooperative128x320) X(kPingpong64x320Cluster2x1)                    \
+  X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
