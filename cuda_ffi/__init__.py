@@ -45,7 +45,8 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "pingpong_64x128_cluster_4x2": 16, "pingpong_64x64_cluster_1x2": 17,
            "cooperative_128x320": 18, "pingpong_64x320_cluster_2x1": 19,
            "pingpong_128x96_cluster_2x4": 20,
-           "pingpong_128x128_cluster_1x2": 21}
+           "pingpong_128x128_cluster_1x2": 21,
+           "swap_cooperative_256x192_cluster_1x2": 22}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N

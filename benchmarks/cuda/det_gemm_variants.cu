@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..52, see Entry below), then
+// (n = 0..55, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -130,6 +130,18 @@ RLK_ENTRY(50, "coop128x320_c2x2", false, Variant<128, 320, 2, 2, false>)
 RLK_ENTRY(51, "coop128x320_c2x1_epi128x64", false,
           WithEpilogue<128, 64, Variant<128, 320, 2, 1, false>>)
 RLK_ENTRY(52, "pp64x320_c2x2", false, Variant<64, 320, 2, 2, true>)
+// cuBLASLt's coopA tiles at M >= 2048 (nvjet 256x128 1x2 coopA: 256 weight
+// columns, each warpgroup 128 of them) in its orientation, C^T = B^T A^T:
+// the cluster's first mode runs along our N. (Its coopB tiles split the
+// tile along its N, which CUTLASS's cooperative builder does not do, and
+// its cooperative epilogue needs 128-row subtiles that 192 and 320 rows do
+// not divide.)
+RLK_ENTRY(53, "swap coop256x128_c1x2", false,
+          Swapped<Variant<256, 128, 1, 2, false>>)
+RLK_ENTRY(54, "swap coop256x128_c2x1", false,
+          Swapped<Variant<256, 128, 2, 1, false>>)
+RLK_ENTRY(55, "swap coop256x192_c1x2", false,
+          Swapped<Variant<256, 192, 1, 2, false>>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;

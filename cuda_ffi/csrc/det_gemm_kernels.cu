@@ -145,11 +145,21 @@ using Pingpong64x64Cluster1x2 = Tiles<64, 64, 1, 2, Pingpong>;
 // M=256 kernel for a long K with N ~ 5120: each weight tile is read once
 // for both row tiles and each A tile once for four column tiles. The
 // variant probe (benchmarks/cuda/det_gemm_variants.py, entries 38-52) ran
-// these 1.0-1.2x faster than the best older config on those products.
+// these 1.1-1.2x faster than the best older config on those products.
 using Cooperative128x320 = Tiles<128, 320, 2, 1, Cooperative>;
 using Pingpong64x320Cluster2x1 = Tiles<64, 320, 2, 1, Pingpong>;
 using Pingpong128x96Cluster2x4 = Tiles<128, 96, 2, 4, Pingpong>;
 using Pingpong128x128Cluster1x2 = Tiles<128, 128, 1, 2, Pingpong>;
+// cuBLASLt's tiles at M >= 4096 split the weight's columns between the two
+// warpgroups (nvjet 256x128 coopA, 192x192 coopB: its M is our N). Swapped
+// (SwapABOf), CUTLASS's cooperative split of its M does the same: 256
+// weight columns, 128 per warpgroup, by 192 rows, the weight tile shared by
+// the 1x2 cluster's two row tiles. The variant probe (entry 55) ran it at
+// 0.94-1.06x cuBLAS on nine products at M 4096-16384, the fastest config on
+// four (1.15x the best of the configs above on 16384x3072x16384).
+struct SwapCooperative256x192Cluster1x2 : Tiles<256, 192, 1, 2, Cooperative> {
+  static constexpr bool kSwapAB = true;
+};
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -341,6 +351,7 @@ RLK_CONFIG_OF(Cooperative128x320)
 RLK_CONFIG_OF(Pingpong64x320Cluster2x1)
 RLK_CONFIG_OF(Pingpong128x96Cluster2x4)
 RLK_CONFIG_OF(Pingpong128x128Cluster1x2)
+RLK_CONFIG_OF(SwapCooperative256x192Cluster1x2)
 #undef RLK_CONFIG_OF
 
 }  // namespace

@@ -75,7 +75,10 @@ enum class GemmConfig : int {
   kPingpong128x96Cluster2x4 = 20,  // M ~256, a long K: B to two row tiles,
                                    // A to four column tiles
   kPingpong128x128Cluster1x2 = 21, // A shared along N
-  kLastConfig = kPingpong128x128Cluster1x2,
+  // C^T = B^T A^T: 256 weight columns x 192 rows, each warpgroup 128 of the
+  // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 4096
+  kSwapCooperative256x192Cluster1x2 = 22,
+  kLastConfig = kSwapCooperative256x192Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -89,7 +92,8 @@ enum class GemmConfig : int {
   X(kPingpong64x128Cluster2x1) X(kPingpong64x64Cluster2x1)              \
   X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)              \
   X(kCooperative128x320) X(kPingpong64x320Cluster2x1)                    \
-  X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)
+  X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)            \
+  X(kSwapCooperative256x192Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
