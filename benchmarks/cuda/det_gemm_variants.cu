@@ -37,13 +37,6 @@ struct WithEpilogue : Base {
   using EpilogueTile = Shape<Int<kRows>, Int<kColumns>>;
 };
 
-// C^T = B^T A^T: the weight's columns fill the MMA's 64 rows and the
-// decode rows its narrow N side (the library's kSwapAB).
-template <class Base>
-struct Swapped : Base {
-  static constexpr bool kSwapAB = true;
-};
-
 // Variant n: its name, whether B is stored [N, K] (the dA layout) instead of
 // [K, N], and its config. Only the one compiled (RLK_VARIANT) instantiates
 // a kernel.

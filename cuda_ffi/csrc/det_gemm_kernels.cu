@@ -94,13 +94,18 @@ using Pingpong64x128 = Tiles<64, 128, 1, 1, Pingpong>;
 using Pingpong64x64 = Tiles<64, 64, 1, 1, Pingpong>;
 using Pingpong64x32 = Tiles<64, 32, 1, 1, Pingpong>;
 
-// Decode rows, swapped (SwapABOf below): 64 columns of C fill the MMA's 64
-// rows and up to 32 rows of A its N side, so a row of A costs 32 of MMA
-// width instead of 64 rows, and the weight streams through twice as many
-// CTAs as 64x128 tiles would give.
-struct SwapPingpong64x32 : Tiles<64, 32, 1, 1, Pingpong> {
+// A config that computes C^T = B^T A^T (SwapABOf below): its tile's M
+// runs along our N.
+template <class Config>
+struct Swapped : Config {
   static constexpr bool kSwapAB = true;
 };
+
+// Decode rows, swapped: 64 columns of C fill the MMA's 64 rows and up to
+// 32 rows of A its N side, so a row of A costs 32 of MMA width instead of
+// 64 rows, and the weight streams through twice as many CTAs as 64x128
+// tiles would give.
+using SwapPingpong64x32 = Swapped<Tiles<64, 32, 1, 1, Pingpong>>;
 
 // The wider set the autotuner chooses from (rlk_jax/_gemm_tuning.py): the
 // H100 sweep of open models' projections showed M=1024 products at
@@ -157,9 +162,8 @@ using Pingpong128x128Cluster1x2 = Tiles<128, 128, 1, 2, Pingpong>;
 // the 1x2 cluster's two row tiles. The variant probe (entry 55) ran it at
 // 0.94-1.06x cuBLAS on nine products at M 4096-16384, the fastest config on
 // four (1.15x the best of the configs above on 16384x3072x16384).
-struct SwapCooperative256x192Cluster1x2 : Tiles<256, 192, 1, 2, Cooperative> {
-  static constexpr bool kSwapAB = true;
-};
+using SwapCooperative256x192Cluster1x2 =
+    Swapped<Tiles<256, 192, 1, 2, Cooperative>>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
