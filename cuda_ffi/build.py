@@ -113,8 +113,10 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(root) / "cuda_ffi"
 
 
-def build_key(nvcc: str, cutlass: pathlib.Path, ffi: pathlib.Path) -> str:
-  """Hash of the sources, flags, compiler and header versions."""
+def build_key(nvcc: str, cutlass: pathlib.Path,
+              ffi: pathlib.Path | None) -> str:
+  """Hash of the sources, flags, compiler and header versions (ffi=None:
+  all but jaxlib's FFI headers, which only some objects include)."""
   h = hashlib.sha256()
   for path in sorted(CSRC.iterdir()):
     h.update(path.name.encode())
@@ -124,7 +126,8 @@ def build_key(nvcc: str, cutlass: pathlib.Path, ffi: pathlib.Path) -> str:
                           text=True, check=True).stdout.encode())
   version = cutlass / "include" / "cutlass" / "version.h"
   h.update(version.read_bytes() if version.is_file() else str(cutlass).encode())
-  h.update((ffi / "xla" / "ffi" / "api" / "c_api.h").read_bytes())
+  if ffi is not None:
+    h.update((ffi / "xla" / "ffi" / "api" / "c_api.h").read_bytes())
   return h.hexdigest()[:16]
 
 
@@ -141,7 +144,11 @@ def library_path() -> pathlib.Path | None:
 
 
 def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
-                      variants=VARIANTS, configs=None):
+                      variants=VARIANTS, configs=None,
+                      ffi_out_dir: pathlib.Path | None = None):
+  """nvcc command lines, one per object; the objects that include XLA's
+  FFI headers go to `ffi_out_dir` (default `out_dir`)."""
+  ffi_out_dir = out_dir if ffi_out_dir is None else ffi_out_dir
   includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
               "-isystem", str(cutlass / "tools" / "util" / "include")]
   commands = []
@@ -160,13 +167,13 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
                    "-o", str(out_dir / "pack_rows_kernels.o")])
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
                    "-c", str(LOGP_SOURCE),
-                   "-o", str(out_dir / "linear_logp_kernels.o")])
+                   "-o", str(ffi_out_dir / "linear_logp_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
   for source in (API_SOURCE, pack_api):
     commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
                      str(CSRC), "-isystem", str(ffi), "-c", str(source),
-                     "-o", str(out_dir / (source.stem + ".o"))])
+                     "-o", str(ffi_out_dir / (source.stem + ".o"))])
   return commands
 
 
@@ -176,11 +183,12 @@ def _output(cmd) -> pathlib.Path:
 
 def _run_all(commands, jobs: int, log=print):
   def run(cmd):
-    # Written under a partial name and renamed once whole, so an object
-    # directory that outlives a killed build (build(objects=...)) never
-    # holds a truncated object that a later build would link.
+    # Written under a partial name of this process and renamed once whole,
+    # so an object directory that outlives a killed build
+    # (build(objects=...)) never holds a truncated object that a later
+    # build would link, and two builds sharing it never write one file.
     out = _output(cmd)
-    partial = out.with_name(out.name + ".partial")
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
     i = cmd.index("-o") + 1
     done = subprocess.run([*cmd[:i], str(partial), *cmd[i + 1:]],
                           capture_output=True, text=True)
@@ -206,9 +214,10 @@ def build(jobs: int | None = None, log=print,
   `objects`: a directory that keeps the compiled objects and is reused:
   an object already there is not compiled again, so a build stopped
   part-way (a time limit) resumes, and objects compiled on another machine
-  from the same sources with the same nvcc and CUTLASS can be carried in.
-  Nothing checks that they match these sources: name a directory of this
-  commit's build only."""
+  can be carried in. They are kept in a subdirectory named by the hash of
+  the sources, flags, nvcc and CUTLASS (and, for the objects that include
+  jaxlib's FFI headers, those headers too), so objects of other sources
+  or tools are never reused."""
   if os.environ.get("RLK_CUDA_FFI_LIB"):
     return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
   nvcc, cutlass, ffi = _inputs()
@@ -220,9 +229,15 @@ def build(jobs: int | None = None, log=print,
   jobs = jobs or os.cpu_count() or 1
   with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
     tmp = pathlib.Path(tmp)
-    obj_dir = pathlib.Path(objects) if objects is not None else tmp
-    obj_dir.mkdir(parents=True, exist_ok=True)
-    commands = _compile_commands(nvcc, cutlass, ffi, obj_dir)
+    if objects is None:
+      obj_dir = ffi_obj_dir = tmp
+    else:
+      obj_dir = pathlib.Path(objects) / build_key(nvcc, cutlass, None)
+      ffi_obj_dir = pathlib.Path(objects) / final.name
+    for d in (obj_dir, ffi_obj_dir):
+      d.mkdir(parents=True, exist_ok=True)
+    commands = _compile_commands(nvcc, cutlass, ffi, obj_dir,
+                                 ffi_out_dir=ffi_obj_dir)
     todo = [c for c in commands if not _output(c).is_file()]
     log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
         f"layouts x {len(kernel_configs())} kernel configs, {len(todo)} of "

@@ -92,15 +92,18 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)
   monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.setattr(build, "_inputs", lambda: ("nvcc", tmp_path, tmp_path))
-  monkeypatch.setattr(build, "build_key", lambda *_: "key")
+  # The kernel objects' key leaves out jaxlib's FFI headers.
+  monkeypatch.setattr(build, "build_key",
+                      lambda nvcc, cutlass, ffi: "kern" if ffi is None else "all")
   compiled, linked, failing = [], [], {"det_gemm_kernels_000_1.o"}
 
   def nvcc(cmd, capture_output=True, text=True, check=False):
     out = pathlib.Path(cmd[cmd.index("-o") + 1])
     out.write_bytes(b"part")
-    final = out.name.removesuffix(".partial")
+    final = out.name.split(".o.")[0] + ".o" if ".o." in out.name else out.name
     if "-shared" in cmd:
-      linked.append(sorted(pathlib.Path(p).name for p in cmd if p.endswith(".o")))
+      linked.append(cmd[cmd.index("arch=compute_90a,code=sm_90a") + 1:
+                        cmd.index("-o")])
     else:
       compiled.append(final)
     rc = 1 if final in failing else 0
@@ -110,21 +113,31 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
 
   monkeypatch.setattr(build.subprocess, "run", nvcc)
   objects = tmp_path / "objects"
-  expected = sorted(p.name for p in map(build._output, build._compile_commands(
-      "nvcc", tmp_path, tmp_path, objects)))
-  objects.mkdir()
-  (objects / expected[-1]).write_bytes(b"from another machine")
+  commands = build._compile_commands("nvcc", tmp_path, tmp_path,
+                                     objects / "kern",
+                                     ffi_out_dir=objects / "all")
+  expected = [str(build._output(c)) for c in commands]
+  names = sorted(pathlib.Path(p).name for p in expected)
+  assert (objects / "all" / "det_gemm_api.o") in map(build._output, commands)
+  carried = objects / "kern" / "det_gemm_kernels_111_1.o"
+  carried.parent.mkdir(parents=True)
+  carried.write_bytes(b"from another machine")
+  (objects / "other-sources").mkdir()  # another key's objects: not used
+  (objects / "other-sources" / "det_gemm_kernels_000_2.o").write_bytes(b"x")
   with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1.o"):
     build.build(jobs=4, log=lambda *_: None, objects=objects)
   assert not linked
-  assert sorted(compiled) == expected[:-1]  # the carried one was kept
-  assert not (objects / "det_gemm_kernels_000_1.o").exists()  # only .partial
+  assert sorted(compiled) == [n for n in names if n != carried.name]
+  assert not (objects / "kern" / "det_gemm_kernels_000_1.o").exists()
+  assert list((objects / "kern").glob("det_gemm_kernels_000_1.o.*.partial"))
+  # Another build's partial object, still being written: never linked.
+  (objects / "kern" / "det_gemm_kernels_000_2.o.999.partial").write_bytes(b"")
   compiled.clear()
   failing.clear()
   lib = build.build(jobs=4, log=lambda *_: None, objects=objects)
   assert compiled == ["det_gemm_kernels_000_1.o"]  # resumed: the one missing
-  assert linked == [expected]
-  assert lib == tmp_path / "cache" / "cuda_ffi" / "key" / build.LIBRARY_NAME
+  assert linked == [sorted(expected)]  # every object once, no partial one
+  assert lib == tmp_path / "cache" / "cuda_ffi" / "all" / build.LIBRARY_NAME
 
 
 def test_every_source_is_part_of_the_build():

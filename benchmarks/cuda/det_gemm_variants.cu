@@ -123,12 +123,14 @@ RLK_ENTRY(50, "coop128x320_c2x2", false, Variant<128, 320, 2, 2, false>)
 RLK_ENTRY(51, "coop128x320_c2x1_epi128x64", false,
           WithEpilogue<128, 64, Variant<128, 320, 2, 1, false>>)
 RLK_ENTRY(52, "pp64x320_c2x2", false, Variant<64, 320, 2, 2, true>)
-// cuBLASLt's coopA tiles at M >= 2048 (nvjet 256x128 1x2 coopA: 256 weight
-// columns, each warpgroup 128 of them) in its orientation, C^T = B^T A^T:
-// the cluster's first mode runs along our N. (Its coopB tiles split the
-// tile along its N, which CUTLASS's cooperative builder does not do, and
-// its cooperative epilogue needs 128-row subtiles that 192 and 320 rows do
-// not divide.)
+// cuBLASLt's coopA tiles (nvjet 256x128 1x2 coopA, from M=256 up: 256
+// weight columns, each warpgroup 128 of them) in its orientation, C^T =
+// B^T A^T: the cluster's first mode runs along our N. (Its coopB tiles
+// split our rows between the warpgroups: 320x128 is cooperative_128x320,
+// but 192x192 gives each 96 rows, not a whole number of 64-row MMAs; the
+// swapped form would need CUTLASS's cooperative builder to split its N,
+// which it does not, and its cooperative epilogue needs 128-row subtiles,
+// which 192 rows do not divide.)
 RLK_ENTRY(53, "swap coop256x128_c1x2", false,
           Swapped<Variant<256, 128, 1, 2, false>>)
 RLK_ENTRY(54, "swap coop256x128_c2x1", false,

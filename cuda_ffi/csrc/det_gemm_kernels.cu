@@ -142,26 +142,29 @@ using Pingpong64x64Cluster1x2 = Tiles<64, 64, 1, 2, Pingpong>;
 // cuBLASLt's nvjet tiles on the products still below 0.90x cuBLAS with the
 // configs above (H100, det_gemm_graph_tuner-9cd4f50), in our M x N:
 // 320 weight columns per CTA where N is a multiple of 320 or close to one
-// (N = 5120, 10240, 4608 at M 512-2048: 128x320 fills 8-16 column tiles a
-// row with no ragged edge, where 256x192 and 128x256 leave one). CUTLASS
+// (N = 5120 and 10240 are 16 and 32 of them, where 256x192 leaves a third
+// of a tile at the edge, and at M=1024, N=5120 the 128 tiles of 128x320
+// fill one wave of 132 CTAs where 128x256's 160 take 1.2). CUTLASS
 // builds the tile from two 64x160 MMAs per warpgroup, each output still
 // one f32 sum in K order, and loads B's 320 columns as a 3-D TMA box (a
 // box is at most 256 wide). The 96-column tiles in 2x4 clusters are its
 // M=256 kernel for a long K with N ~ 5120: each weight tile is read once
 // for both row tiles and each A tile once for four column tiles. The
 // variant probe (benchmarks/cuda/det_gemm_variants.py, entries 38-52) ran
-// these 1.1-1.2x faster than the best older config on those products.
+// each 1.05-1.3x faster than the best older config it ran on the products
+// named (0.99-1.10x on 2048x2048x5120, where 128x128 in a 1x2 cluster won).
 using Cooperative128x320 = Tiles<128, 320, 2, 1, Cooperative>;
 using Pingpong64x320Cluster2x1 = Tiles<64, 320, 2, 1, Pingpong>;
 using Pingpong128x96Cluster2x4 = Tiles<128, 96, 2, 4, Pingpong>;
 using Pingpong128x128Cluster1x2 = Tiles<128, 128, 1, 2, Pingpong>;
-// cuBLASLt's tiles at M >= 4096 split the weight's columns between the two
-// warpgroups (nvjet 256x128 coopA, 192x192 coopB: its M is our N). Swapped
-// (SwapABOf), CUTLASS's cooperative split of its M does the same: 256
-// weight columns, 128 per warpgroup, by 192 rows, the weight tile shared by
-// the 1x2 cluster's two row tiles. The variant probe (entry 55) ran it at
-// 0.94-1.06x cuBLAS on nine products at M 4096-16384, the fastest config on
-// four (1.15x the best of the configs above on 16384x3072x16384).
+// cuBLASLt's 256x128 coopA tiles (its M is our N) split the weight's 256
+// columns between the two warpgroups. Swapped (SwapABOf), CUTLASS's
+// cooperative split of its M does the same: 256 weight columns, 128 per
+// warpgroup, by 192 rows (as its 192x192 tiles at M=16384 have), the
+// weight tile shared by the 1x2 cluster's two row tiles. The variant probe
+// (entry 55) ran it at 0.94-1.06x cuBLAS on nine products at M
+// 4096-16384, the fastest config it ran on five (1.15x the best older one
+// on 16384x3072x16384).
 using SwapCooperative256x192Cluster1x2 =
     Swapped<Tiles<256, 192, 1, 2, Cooperative>>;
 

@@ -70,13 +70,13 @@ enum class GemmConfig : int {
   kPingpong64x64Cluster2x1 = 15,   // hundred rows, a long K
   kPingpong64x128Cluster4x2 = 16,  // B shared by four row tiles, A by two
   kPingpong64x64Cluster1x2 = 17,   // A shared along N: short K, few rows
-  kCooperative128x320 = 18,        // 2x1 cluster: N in 320s, M 512-2048
-  kPingpong64x320Cluster2x1 = 19,  // N in 320s, M ~512
+  kCooperative128x320 = 18,        // 2x1 cluster: N in 320s, M 512-1024
+  kPingpong64x320Cluster2x1 = 19,  // N in 320s, few row tiles
   kPingpong128x96Cluster2x4 = 20,  // M ~256, a long K: B to two row tiles,
                                    // A to four column tiles
-  kPingpong128x128Cluster1x2 = 21, // A shared along N
+  kPingpong128x128Cluster1x2 = 21, // A shared along N (dB, most of all)
   // C^T = B^T A^T: 256 weight columns x 192 rows, each warpgroup 128 of the
-  // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 4096
+  // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 3072
   kSwapCooperative256x192Cluster1x2 = 22,
   kLastConfig = kSwapCooperative256x192Cluster1x2,
 };
