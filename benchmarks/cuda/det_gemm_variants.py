@@ -116,15 +116,6 @@ def gpu_state() -> str:
     return f"nvidia-smi: {e}"
 
 
-def cublas_kernels(a, b, c) -> str:
-  """The kernel names cuBLAS launches for this product (CUPTI)."""
-  from torch.profiler import ProfilerActivity, profile
-  with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    torch.matmul(a, b, out=c)
-    torch.cuda.synchronize()
-  return "; ".join(sorted({e.key for e in prof.key_averages()}))
-
-
 def main(argv):
   """argv: directory [variant indices, comma-separated] [shapes]; with
   RLK_ORDERS=1 the first variant also runs under every tile order of
@@ -157,7 +148,9 @@ def main(argv):
     b = b_sets[0]
     bt = b.t().contiguous()
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    print(f"{shape}: cublas runs {cublas_kernels(a_sets[0], b, c)}",
+    kernels = harness.kernel_names(
+        torch, lambda: torch.matmul(a_sets[0], b, out=c))
+    print(f"{shape}: cublas runs {'; '.join(kernels)}",
           flush=True)
     ref = None
     impls = {"cublas": lambda a, b, c: torch.matmul(a, b, out=c)}
