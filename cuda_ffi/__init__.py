@@ -119,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_det_gemm_sm90_time_configs.argtypes = [
       ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64,
       ctypes.POINTER(i64), ctypes.c_int, ctypes.c_int, ctypes.c_double,
+      ctypes.POINTER(ctypes.c_float), ctypes.c_int, ctypes.c_int,
+      ctypes.c_double, ctypes.c_double, ctypes.c_double,
       ctypes.POINTER(ctypes.c_float)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64, i64]
@@ -226,16 +228,48 @@ def time_configs(m: int, n: int, k: int, *, transpose_a: bool,
                  min_ms: float = 0.2) -> dict[str, float | None]:
   """Median milliseconds per launch of each named config on an M x N x K
   product of this layout (None: the config cannot run it), timed in
-  interleaved rounds on the library's own operand buffers and a stream of
-  its own: the caller's streams are neither used nor synchronized. Raises
+  interleaved rounds of short samples on the library's own operands
+  (random values, enough sets to leave L2 cold) and a stream of its own:
+  the caller's streams are neither used nor synchronized. Raises
   RuntimeError when it cannot measure (e.g. no memory for the operands)."""
+  return _time_configs(m, n, k, transpose_a, transpose_b, out_f32, configs,
+                       rounds, min_ms)[0]
+
+
+def sustained_times(m: int, n: int, k: int, *, transpose_a: bool,
+                    transpose_b: bool, out_f32: bool, configs,
+                    rounds: int = 3, min_ms: float = 0.2, finalists: int = 6,
+                    sustain_rounds: int = 3, sustain_ms: float = 10.0,
+                    budget_ms: float = 360.0, heat_ms: float = 400.0):
+  """The autotuner's measurement: ``(screen, sustained)``. ``screen`` is
+  :func:`time_configs`'s; then the `finalists` fastest of it are timed
+  again as a user's step of such products runs them, on a card held at
+  its power cap: the card heated first with `heat_ms` of work (unless a
+  tuning ended less than a second ago), each sample about `sustain_ms`
+  long, after as long of the same config untimed, `sustain_rounds`
+  interleaved rounds, the stage held to about `budget_ms` of work.
+  ``sustained`` has those finalists only."""
+  screen, sustained = _time_configs(m, n, k, transpose_a, transpose_b,
+                                    out_f32, configs, rounds, min_ms,
+                                    finalists, sustain_rounds, sustain_ms,
+                                    budget_ms, heat_ms)
+  return screen, {c: t for c, t in sustained.items() if t is not None}
+
+
+def _time_configs(m, n, k, transpose_a, transpose_b, out_f32, configs,
+                  rounds, min_ms, finalists=0, sustain_rounds=0,
+                  sustain_ms=0.0, budget_ms=0.0, heat_ms=0.0):
   configs = list(configs)
   codes = (ctypes.c_int64 * len(configs))(*(CONFIGS[c] for c in configs))
   out = (ctypes.c_float * len(configs))()
+  hot = (ctypes.c_float * len(configs))(*([-1.0] * len(configs)))
   _checked(library().rlk_det_gemm_sm90_time_configs(
       int(transpose_a), int(transpose_b), int(out_f32), m, n, k, codes,
-      len(configs), rounds, min_ms, out))
-  return {c: (float(ms) if ms >= 0 else None) for c, ms in zip(configs, out)}
+      len(configs), rounds, min_ms, out, finalists, sustain_rounds,
+      sustain_ms, budget_ms, heat_ms, hot))
+  as_dict = lambda xs: {c: (float(ms) if ms >= 0 else None)
+                        for c, ms in zip(configs, xs)}
+  return as_dict(out), as_dict(hot)
 
 
 def build_id() -> str:

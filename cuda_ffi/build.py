@@ -113,22 +113,68 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(root) / "cuda_ffi"
 
 
-def build_key(nvcc: str, cutlass: pathlib.Path,
-              ffi: pathlib.Path | None) -> str:
-  """Hash of the sources, flags, compiler and header versions (ffi=None:
-  all but jaxlib's FFI headers, which only some objects include)."""
+def _tool_versions(nvcc: str, cutlass: pathlib.Path) -> bytes:
+  """What identifies the compiler and CUTLASS: nvcc's release line (e.g.
+  "Cuda compilation tools, release 13.0, V13.0.88"; not the whole banner,
+  whose build date differs between two installs of one release), CUTLASS's
+  version header."""
+  banner = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                          check=True).stdout
+  release = [line for line in banner.splitlines() if "release" in line]
+  version = cutlass / "include" / "cutlass" / "version.h"
+  return b"\0".join([
+      "\n".join(release or [banner]).encode(),
+      version.read_bytes() if version.is_file() else str(cutlass).encode()])
+
+
+def _ffi_header(ffi: pathlib.Path) -> bytes:
+  return (ffi / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
+
+
+def build_key(nvcc: str, cutlass: pathlib.Path, ffi: pathlib.Path) -> str:
+  """The library's cache key: a hash of every source, the flags, and the
+  compiler and header versions."""
   h = hashlib.sha256()
   for path in sorted(CSRC.iterdir()):
     h.update(path.name.encode())
     h.update(path.read_bytes())
   h.update(" ".join(NVCC_FLAGS).encode())
-  h.update(subprocess.run([nvcc, "--version"], capture_output=True,
-                          text=True, check=True).stdout.encode())
-  version = cutlass / "include" / "cutlass" / "version.h"
-  h.update(version.read_bytes() if version.is_file() else str(cutlass).encode())
-  if ffi is not None:
-    h.update((ffi / "xla" / "ffi" / "api" / "c_api.h").read_bytes())
+  h.update(_tool_versions(nvcc, cutlass))
+  h.update(_ffi_header(ffi))
   return h.hexdigest()[:16]
+
+
+def _kept_objects(commands, nvcc: str, cutlass: pathlib.Path,
+                  ffi: pathlib.Path, objects: pathlib.Path):
+  """The commands with each object renamed into `objects` under a key of
+  what goes into that object alone: its source, every header of csrc/
+  (whichever it includes), its flags with the machine's paths left out,
+  nvcc, CUTLASS and, where it includes them, jaxlib's FFI headers. A change
+  to one source recompiles only its objects (the API's host code, not the
+  170 kernel objects), and objects of other sources, flags or tools are
+  never reused."""
+  headers = b"".join(p.name.encode() + p.read_bytes()
+                     for p in sorted(CSRC.glob("*.h")))
+  tools = _tool_versions(nvcc, cutlass)
+  places = [(str(ffi), "<ffi>"), (str(cutlass), "<cutlass>"),
+            (str(CSRC), "<csrc>")]
+  keyed = []
+  for cmd in commands:
+    out = cmd.index("-o")
+    flags = []
+    for arg in cmd[1:out] + cmd[out + 2:]:
+      for path, name in places:
+        arg = arg.replace(path, name)
+      flags.append(arg)
+    h = hashlib.sha256("\0".join(flags).encode())
+    h.update(pathlib.Path(cmd[cmd.index("-c") + 1]).read_bytes())
+    h.update(headers)
+    h.update(tools)
+    if any("<ffi>" in f for f in flags):
+      h.update(_ffi_header(ffi))
+    name = f"{_output(cmd).stem}-{h.hexdigest()[:16]}.o"
+    keyed.append([*cmd[:out + 1], str(objects / name), *cmd[out + 2:]])
+  return keyed
 
 
 def library_path() -> pathlib.Path | None:
@@ -144,11 +190,8 @@ def library_path() -> pathlib.Path | None:
 
 
 def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
-                      variants=VARIANTS, configs=None,
-                      ffi_out_dir: pathlib.Path | None = None):
-  """nvcc command lines, one per object; the objects that include XLA's
-  FFI headers go to `ffi_out_dir` (default `out_dir`)."""
-  ffi_out_dir = out_dir if ffi_out_dir is None else ffi_out_dir
+                      variants=VARIANTS, configs=None):
+  """nvcc command lines, one per object, writing into `out_dir`."""
   includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
               "-isystem", str(cutlass / "tools" / "util" / "include")]
   commands = []
@@ -167,13 +210,13 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
                    "-o", str(out_dir / "pack_rows_kernels.o")])
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
                    "-c", str(LOGP_SOURCE),
-                   "-o", str(ffi_out_dir / "linear_logp_kernels.o")])
+                   "-o", str(out_dir / "linear_logp_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
   for source in (API_SOURCE, pack_api):
     commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
                      str(CSRC), "-isystem", str(ffi), "-c", str(source),
-                     "-o", str(ffi_out_dir / (source.stem + ".o"))])
+                     "-o", str(out_dir / (source.stem + ".o"))])
   return commands
 
 
@@ -213,11 +256,9 @@ def build(jobs: int | None = None, log=print,
 
   `objects`: a directory that keeps the compiled objects and is reused:
   an object already there is not compiled again, so a build stopped
-  part-way (a time limit) resumes, and objects compiled on another machine
-  can be carried in. They are kept in a subdirectory named by the hash of
-  the sources, flags, nvcc and CUTLASS (and, for the objects that include
-  jaxlib's FFI headers, those headers too), so objects of other sources
-  or tools are never reused."""
+  part-way (a time limit) resumes, objects compiled on another machine
+  can be carried in, and a change to one source recompiles only its own
+  objects (each is named by a key of its inputs: _kept_objects)."""
   if os.environ.get("RLK_CUDA_FFI_LIB"):
     return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
   nvcc, cutlass, ffi = _inputs()
@@ -229,15 +270,11 @@ def build(jobs: int | None = None, log=print,
   jobs = jobs or os.cpu_count() or 1
   with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
     tmp = pathlib.Path(tmp)
-    if objects is None:
-      obj_dir = ffi_obj_dir = tmp
-    else:
-      obj_dir = pathlib.Path(objects) / build_key(nvcc, cutlass, None)
-      ffi_obj_dir = pathlib.Path(objects) / final.name
-    for d in (obj_dir, ffi_obj_dir):
-      d.mkdir(parents=True, exist_ok=True)
-    commands = _compile_commands(nvcc, cutlass, ffi, obj_dir,
-                                 ffi_out_dir=ffi_obj_dir)
+    commands = _compile_commands(nvcc, cutlass, ffi, tmp)
+    if objects is not None:
+      objects = pathlib.Path(objects)
+      objects.mkdir(parents=True, exist_ok=True)
+      commands = _kept_objects(commands, nvcc, cutlass, ffi, objects)
     todo = [c for c in commands if not _output(c).is_file()]
     log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
         f"layouts x {len(kernel_configs())} kernel configs, {len(todo)} of "

@@ -11,9 +11,11 @@ on this device comes from, in order:
    (``$RLK_CACHE_DIR`` or ``~/.cache/rlk``, ``det_gemm_tuning/``);
 3. the table shipped for this device (``rlk_jax/tuned/``, built from the
    ``det_gemm_sweep`` benchmark) at this M bucket;
-4. tuning now: ``cuda_ffi.time_configs`` times every candidate on the
+4. tuning now: ``cuda_ffi.sustained_times`` times every candidate on the
    library's own buffers and stream (the caller's streams are never used or
-   synchronized), and the result goes to the on-disk cache. Only where
+   synchronized), then its fastest few again on a card held at its power
+   cap, as a user's step runs them; the fastest of those goes to the
+   on-disk cache. Only where
    allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
    recording a CUDA graph, the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
    (default 2048) and the product is at most ``RLK_DET_GEMM_TUNE_MAX_TFLOP``
@@ -280,10 +282,10 @@ def _tunable(memo_key, m, n, k, out_f32) -> bool:
 def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
   import cuda_ffi
   try:
-    times = cuda_ffi.time_configs(m, n, k, transpose_a=transpose_a,
-                                  transpose_b=transpose_b, out_f32=out_f32,
-                                  configs=CANDIDATES)
-    config = pick(times)
+    screen, sustained = cuda_ffi.sustained_times(
+        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+        out_f32=out_f32, configs=CANDIDATES)
+    config = pick(sustained)
   except (RuntimeError, ValueError) as e:
     _log.warning("rlk: det_gemm tuning of %s failed (%s); using the table or "
                  "the analytic rule", key, e)
@@ -291,7 +293,8 @@ def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
     return None
   try:
     cache.put(key, {"config": config, "m": m,
-                    "ms": {c: t for c, t in times.items() if t is not None}})
+                    "ms": {c: t for c, t in screen.items() if t is not None},
+                    "sustained_ms": sustained})
   except OSError as e:  # a read-only home: keep the choice for this process
     _log.warning("rlk: cannot write the det_gemm tuning cache: %s", e)
   return config

@@ -85,59 +85,104 @@ def test_sources_compile_for_sm90a():
               log=lambda *_: None)
 
 
+def _fake_tools(monkeypatch, tmp_path):
+  monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)
+  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(build, "_inputs", lambda: ("nvcc", tmp_path, tmp_path))
+  monkeypatch.setattr(build, "_tool_versions", lambda nvcc, cutlass: b"13.0")
+  monkeypatch.setattr(build, "_ffi_header", lambda ffi: b"ffi api")
+  monkeypatch.setattr(build, "build_key", lambda nvcc, cutlass, ffi: "all")
+
+
+def _kept(objects, cutlass, ffi, **kw):
+  return build._kept_objects(
+      build._compile_commands("nvcc", cutlass, ffi, cutlass / "scratch", **kw),
+      "nvcc", cutlass, ffi, objects)
+
+
 def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
     tmp_path, monkeypatch):
   # nvcc stands in: it writes its -o file, or part of it and fails for one
   # object, as a build killed mid-compile would leave it.
-  monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)
-  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.setattr(build, "_inputs", lambda: ("nvcc", tmp_path, tmp_path))
-  # The kernel objects' key leaves out jaxlib's FFI headers.
-  monkeypatch.setattr(build, "build_key",
-                      lambda nvcc, cutlass, ffi: "kern" if ffi is None else "all")
-  compiled, linked, failing = [], [], {"det_gemm_kernels_000_1.o"}
+  _fake_tools(monkeypatch, tmp_path)
+  compiled, linked = [], []
+  failing = {"det_gemm_kernels_000_1"}
 
   def nvcc(cmd, capture_output=True, text=True, check=False):
     out = pathlib.Path(cmd[cmd.index("-o") + 1])
     out.write_bytes(b"part")
-    final = out.name.split(".o.")[0] + ".o" if ".o." in out.name else out.name
+    stem = out.name.split("-")[0]
     if "-shared" in cmd:
       linked.append(cmd[cmd.index("arch=compute_90a,code=sm_90a") + 1:
                         cmd.index("-o")])
     else:
-      compiled.append(final)
-    rc = 1 if final in failing else 0
+      compiled.append(stem)
+    rc = 1 if stem in failing else 0
     if rc and check:
       raise subprocess.CalledProcessError(rc, cmd)
     return subprocess.CompletedProcess(cmd, rc, "", "nvcc died")
 
   monkeypatch.setattr(build.subprocess, "run", nvcc)
   objects = tmp_path / "objects"
-  commands = build._compile_commands("nvcc", tmp_path, tmp_path,
-                                     objects / "kern",
-                                     ffi_out_dir=objects / "all")
-  expected = [str(build._output(c)) for c in commands]
-  names = sorted(pathlib.Path(p).name for p in expected)
-  assert (objects / "all" / "det_gemm_api.o") in map(build._output, commands)
-  carried = objects / "kern" / "det_gemm_kernels_111_1.o"
-  carried.parent.mkdir(parents=True)
+  expected = sorted(str(build._output(c))
+                    for c in _kept(objects, tmp_path, tmp_path))
+  stems = sorted(pathlib.Path(p).name.split("-")[0] for p in expected)
+  assert len(expected) == len(set(expected)) == len(stems)
+  assert "det_gemm_api" in stems
+  objects.mkdir()
+  carried = next(pathlib.Path(p) for p in expected
+                 if "det_gemm_kernels_111_1-" in p)
   carried.write_bytes(b"from another machine")
-  (objects / "other-sources").mkdir()  # another key's objects: not used
-  (objects / "other-sources" / "det_gemm_kernels_000_2.o").write_bytes(b"x")
-  with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1.o"):
+  # Another key's object (other sources or tools): not used.
+  (objects / "det_gemm_kernels_000_2-0123456789abcdef.o").write_bytes(b"x")
+  with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1-"):
     build.build(jobs=4, log=lambda *_: None, objects=objects)
   assert not linked
-  assert sorted(compiled) == [n for n in names if n != carried.name]
-  assert not (objects / "kern" / "det_gemm_kernels_000_1.o").exists()
-  assert list((objects / "kern").glob("det_gemm_kernels_000_1.o.*.partial"))
+  assert sorted(compiled) == [s for s in stems if s != "det_gemm_kernels_111_1"]
+  assert not list(objects.glob("det_gemm_kernels_000_1-*.o"))
+  assert list(objects.glob("det_gemm_kernels_000_1-*.o.*.partial"))
   # Another build's partial object, still being written: never linked.
-  (objects / "kern" / "det_gemm_kernels_000_2.o.999.partial").write_bytes(b"")
+  second = next(p for p in expected if "det_gemm_kernels_000_2-" in p)
+  pathlib.Path(second + ".999.partial").write_bytes(b"")
   compiled.clear()
   failing.clear()
   lib = build.build(jobs=4, log=lambda *_: None, objects=objects)
-  assert compiled == ["det_gemm_kernels_000_1.o"]  # resumed: the one missing
-  assert linked == [sorted(expected)]  # every object once, no partial one
+  assert compiled == ["det_gemm_kernels_000_1"]  # resumed: the one missing
+  assert linked == [expected]  # every object once, no partial one
   assert lib == tmp_path / "cache" / "cuda_ffi" / "all" / build.LIBRARY_NAME
+
+
+def test_kept_objects_are_keyed_by_their_own_inputs_not_the_machines_paths(
+    tmp_path, monkeypatch):
+  _fake_tools(monkeypatch, tmp_path)
+  objects = tmp_path / "objects"
+  here = _kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")
+  there = _kept(objects, tmp_path / "there", tmp_path / "there" / "ffi")
+  names = lambda cmds: [build._output(c).name for c in cmds]
+  # CUTLASS, jaxlib and the build directory elsewhere: the same objects.
+  assert names(here) == names(there)
+  # Another API source: only the API object changes, not the 170 kernels'.
+  api = tmp_path / "det_gemm_api.cc"
+  api.write_text(build.API_SOURCE.read_text() + "// changed\n")
+  monkeypatch.setattr(build, "API_SOURCE", api)
+  changed = _kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")
+  differ = [a for a, b in zip(names(here), names(changed)) if a != b]
+  assert [d.split("-")[0] for d in differ] == ["det_gemm_api"]
+  monkeypatch.setattr(build, "API_SOURCE", build.CSRC / "det_gemm_api.cc")
+  assert names(here) == names(
+      _kept(objects, tmp_path / "here", tmp_path / "here" / "ffi"))
+  # Another compiler, other FFI headers: other names where they go in.
+  monkeypatch.setattr(build, "_ffi_header", lambda ffi: b"jaxlib 0.12")
+  ffi_changed = {d.split("-")[0] for d in set(names(here)) - set(
+      names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))}
+  assert ffi_changed == {"det_gemm_api", "pack_rows_api", "linear_logp_kernels"}
+  monkeypatch.setattr(build, "_tool_versions", lambda nvcc, cutlass: b"13.1")
+  assert not set(names(here)) & set(
+      names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))
+  # A different object: a different configuration's defines.
+  one = _kept(objects, tmp_path, tmp_path, variants=[(0, 0, 0)],
+              configs={"kA": 1, "kB": 2})
+  assert len({build._output(c).name.split("-")[1] for c in one}) == len(one)
 
 
 def test_every_source_is_part_of_the_build():

@@ -50,19 +50,33 @@ def test_every_candidate_is_timed(m, n, k, ta, tb, f32):
     assert times["pingpong_64x32"] > times["cooperative_128x256"], times
 
 
+def test_the_screens_fastest_are_timed_again_on_a_hot_card():
+  screen, sustained = cuda_ffi.sustained_times(
+      1024, 3584, 3584, transpose_a=False, transpose_b=False, out_f32=False,
+      configs=tuning.CANDIDATES, finalists=4)
+  assert set(screen) == set(tuning.CANDIDATES)
+  ranked = sorted((t, c) for c, t in screen.items() if t)
+  assert set(sustained) == {c for _, c in ranked[:4]}, (screen, sustained)
+  # samples of ~10 ms, after as long untimed: the same work, so within a
+  # factor of the screen's time, never the screen's number copied
+  for c, t in sustained.items():
+    assert 0.5 * screen[c] < t < 2.0 * screen[c] and t != screen[c], (c, t)
+
+
 def test_tuning_never_waits_on_the_callers_stream():
   torch = pytest.importorskip("torch")
   torch.cuda.synchronize()
-  # ~1 s of GPU sleep on the caller's (torch's current) stream
-  torch.cuda._sleep(int(2e9))
+  # ~2 s of GPU sleep on the caller's (torch's current) stream
+  torch.cuda._sleep(int(4e9))
   t0 = time.perf_counter()
-  cuda_ffi.time_configs(512, 2048, 2048, transpose_a=False, transpose_b=False,
-                        out_f32=False, configs=tuning.CANDIDATES, rounds=3)
+  cuda_ffi.sustained_times(512, 2048, 2048, transpose_a=False,
+                           transpose_b=False, out_f32=False,
+                           configs=tuning.CANDIDATES)
   elapsed = time.perf_counter() - t0
   busy = not torch.cuda.current_stream().query()
   torch.cuda.synchronize()
   assert busy, "the caller's stream finished: the sleep was too short to tell"
-  assert elapsed < 0.9, f"timing took {elapsed:.2f} s: did it wait on the sleep?"
+  assert elapsed < 1.8, f"timing took {elapsed:.2f} s: did it wait on the sleep?"
 
 
 def test_first_use_tunes_caches_and_keeps_bits(fresh_cache, rng):
@@ -72,7 +86,7 @@ def test_first_use_tunes_caches_and_keeps_bits(fresh_cache, rng):
   got = jax.jit(lambda a, b: rlk_jax.det_gemm(a, b, implementation="cuda_ffi"))(a, b)
   key = tuning.product_key(m, n, k, False, False, False)
   entry = _entries()[key]
-  assert entry["config"] == tuning.pick(entry["ms"])
+  assert entry["config"] == tuning.pick(entry["sustained_ms"])
   assert set(entry["ms"]) == set(tuning.CANDIDATES)
   # the gradient's products were tuned in their own layouts
   jax.grad(lambda a, b: rlk_jax.det_gemm(a, b, implementation="cuda_ffi")
