@@ -240,7 +240,7 @@ def sustained_times(m: int, n: int, k: int, *, transpose_a: bool,
                     transpose_b: bool, out_f32: bool, configs,
                     rounds: int = 3, min_ms: float = 0.2, finalists: int = 6,
                     sustain_rounds: int = 3, sustain_ms: float = 10.0,
-                    budget_ms: float = 360.0, heat_ms: float = 400.0):
+                    budget_ms: float = 250.0, heat_ms: float = 300.0):
   """The autotuner's measurement: ``(screen, sustained)``. ``screen`` is
   :func:`time_configs`'s; then the `finalists` fastest of it are timed
   again as a user's step of such products runs them, on a card held at

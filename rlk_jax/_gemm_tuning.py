@@ -19,11 +19,13 @@ on this device comes from, in order:
    allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
    recording a CUDA graph, the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
    (default 2048) and the product is at most ``RLK_DET_GEMM_TUNE_MAX_TFLOP``
-   (default 1.5: tuning runs each candidate about eight times, 0.35-0.41 s
-   per TFLOP of the product on the H100, so a first use stays within two
-   seconds even where the torch bridge tunes the forward, dA and dB
-   products at once; larger products fill their waves with the big tiles
-   the table and the rule choose well);
+   (default 1.0: the screen runs each candidate about five times, about
+   0.25-0.3 s per TFLOP of the product on the H100; the sustained stage
+   adds at most about 0.25 s, and 0.3 s of heating unless a tuning ended
+   less than a second ago; so a new shape's forward, dA and dB products,
+   tuned one after another by the torch bridge, take at most about
+   0.3 + 3 x (0.3 + 0.25) = 1.95 s; larger products fill their waves with
+   the big tiles the table and the rule choose well);
 5. the shipped table's nearest M bucket for this (layout, N, K);
 6. the library's analytic rule (waves and tile-slot waste,
    ``cuda_ffi.chosen_config``).
@@ -115,7 +117,7 @@ def _tune_max_bytes() -> int:
 
 
 def _tune_max_flops() -> float:
-  return float(os.environ.get("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1.5")) * 1e12
+  return float(os.environ.get("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1.0")) * 1e12
 
 
 def cache_path(device: str, build: str) -> pathlib.Path:

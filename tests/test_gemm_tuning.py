@@ -166,7 +166,7 @@ def test_switch_off_and_memory_limit(fake_library, monkeypatch):
 
 def test_time_limit_leaves_large_products_to_table_and_rule(fake_library,
                                                             monkeypatch):
-  # The default 1.5 TFLOP: 8192 x 28672 x 8192 (3.8 TFLOP) is not measured,
+  # The default 1.0 TFLOP: 8192 x 28672 x 8192 (3.8 TFLOP) is not measured,
   # 1024 x 28672 x 8192 (0.48 TFLOP) is.
   calls, _, ship = fake_library
   assert choose(8192, n=28672, k=8192) == "pingpong_64x128"

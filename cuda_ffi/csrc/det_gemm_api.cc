@@ -338,12 +338,13 @@ LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 // graph-replayed kernel took 6 us), so the choice would be noise. Users
 // replay too (XLA's command buffers, torch's CUDA graphs).
 // The timer's second stage (ConfigTimer::TimeSustained); finalists 0: none.
+// The values come from the caller (cuda_ffi.sustained_times's defaults).
 struct Sustain {
-  int finalists = 0;
-  int rounds = 3;
-  double ms = 10;
-  double budget_ms = 360;
-  double heat_ms = 400;
+  int finalists;
+  int rounds;
+  double ms;
+  double budget_ms;
+  double heat_ms;
 };
 
 class ConfigTimer {
