@@ -383,20 +383,7 @@ def torch_batch(fn: Callable, arg_sets: Sequence[tuple], *,
   fn(*arg_sets[0])
   sync()
   if graph:
-    # Warm up (handles, workspaces, autograd's streams) outside the capture,
-    # on a side stream as torch's CUDA-graph notes ask.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-      for s in arg_sets:
-        fn(*s)
-    torch.cuda.current_stream().wait_stream(side)
-    sync()
-    g = torch.cuda.CUDAGraph()
-    # thread_local: XLA's own threads may touch CUDA during the capture.
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-      for s in arg_sets:
-        fn(*s)
+    g = torch_graph(fn, arg_sets)
 
     def replay(n):
       for _ in range(max(n, 1)):
@@ -411,6 +398,28 @@ def torch_batch(fn: Callable, arg_sets: Sequence[tuple], *,
     sync()
 
   return batch, 1
+
+
+def torch_graph(fn: Callable, arg_sets: Sequence[tuple],
+                calls: int | None = None):
+  """A torch CUDA graph of `calls` calls of `fn` (default one per arg set),
+  going through the arg sets in turn."""
+  import torch
+  # Warm up (handles, workspaces, autograd's streams) outside the capture,
+  # on a side stream as torch's CUDA-graph notes ask.
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):
+    for s in arg_sets:
+      fn(*s)
+  torch.cuda.current_stream().wait_stream(side)
+  torch.cuda.synchronize()
+  g = torch.cuda.CUDAGraph()
+  # thread_local: XLA's own threads may touch CUDA during the capture.
+  with torch.cuda.graph(g, capture_error_mode="thread_local"):
+    for i in range(len(arg_sets) if calls is None else calls):
+      fn(*arg_sets[i % len(arg_sets)])
+  return g
 
 
 def time_torch(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20,

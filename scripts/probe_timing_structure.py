@@ -40,21 +40,6 @@ ROUNDS = 5
 WAYS = os.environ.get("RLK_WAYS", "one_graph,cycles,cycles_2ms,sustained")
 
 
-def _graph(fn, sets, calls):
-  side = torch.cuda.Stream()
-  side.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(side):
-    for s in sets:
-      fn(*s)
-  torch.cuda.current_stream().wait_stream(side)
-  torch.cuda.synchronize()
-  g = torch.cuda.CUDAGraph()
-  with torch.cuda.graph(g, capture_error_mode="thread_local"):
-    for i in range(calls):
-      fn(*sets[i % len(sets)])
-  return g
-
-
 def _event_rounds(samples: dict[str, tuple[callable, int]],
                   warm: bool = False) -> dict:
   """Median ms per call: each sample `run()` between two events, `calls`
@@ -105,10 +90,10 @@ def probe(m, n, k, gen):
     samples = {}
     for c in configs:
       if way == "one_graph":
-        g = _graph(fns[c], sets, reps)
+        g = harness.torch_graph(fns[c], sets, reps)
         samples[c] = (g.replay, reps)
       else:
-        g = _graph(fns[c], sets, n_sets)
+        g = harness.torch_graph(fns[c], sets, n_sets)
         samples[c] = ((lambda g=g: [g.replay() for _ in range(cycles)]),
                       cycles * n_sets)
     ways[way] = _event_rounds(samples, warm=way == "sustained")
