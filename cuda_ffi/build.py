@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import importlib.util
 import os
@@ -113,11 +114,13 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(root) / "cuda_ffi"
 
 
+@functools.cache
 def _tool_versions(nvcc: str, cutlass: pathlib.Path) -> bytes:
   """What identifies the compiler and CUTLASS: nvcc's release line (e.g.
   "Cuda compilation tools, release 13.0, V13.0.88"; not the whole banner,
   whose build date differs between two installs of one release), CUTLASS's
-  version header."""
+  version header. Cached: a build asks twice (the library's key, then the
+  objects'), and nvcc does not change under a running process."""
   banner = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
                           check=True).stdout
   release = [line for line in banner.splitlines() if "release" in line]

@@ -833,9 +833,9 @@ int64_t rlk_det_gemm_sm90_workspace(int transpose_a, int transpose_b,
 // sample of about `sustain_ms` after as long of the same config untimed,
 // over `sustain_rounds` rounds, the stage held to about `budget_ms`, on a
 // card first heated with `heat_ms` of work unless a tuning ended less than
-// a second ago, into sustained_out (-1 for the others). Allocates its own operands on a stream
-// of its own (never the caller's). Returns NULL, or a message valid until
-// the next call on this thread.
+// a second ago, into sustained_out (-1 for the others). Allocates its own
+// operands on a stream of its own (never the caller's). Returns NULL, or a
+// message valid until the next call on this thread.
 const char* rlk_det_gemm_sm90_time_configs(
     int transpose_a, int transpose_b, int out_f32, int64_t m, int64_t n,
     int64_t k, const int64_t* configs, int count, int rounds, double min_ms,
