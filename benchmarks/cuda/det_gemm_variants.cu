@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..55, see Entry below), then
+// (n = 0..73, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -137,6 +137,43 @@ RLK_ENTRY(54, "swap coop256x128_c2x1", false,
           Swapped<Variant<256, 128, 2, 1, false>>)
 RLK_ENTRY(55, "swap coop256x192_c1x2", false,
           Swapped<Variant<256, 192, 1, 2, false>>)
+// cuBLASLt's kernels on the M=512 products that stayed at 0.87-0.93x
+// (H100, det_gemm_tuner_fidelity-a13bde9): nvjet 320x64 1x2 (nemo's down
+// and o), its 96x128 2x1 (llama3.2-3b's down, N=3072). Swapped, the
+// weight's 320 columns are five whole 64-row MMAs over 128-byte swizzle
+// atoms, where rlk's 64x320 splits them into two n160 MMAs that each
+// start or end mid-atom; 64x192 and 192x64 give N=3072 its 128 tiles.
+RLK_ENTRY(56, "swap pp320x64_c1x2", false,
+          Swapped<Variant<320, 64, 1, 2, true>>)
+RLK_ENTRY(57, "swap pp320x64_c1x1", false,
+          Swapped<Variant<320, 64, 1, 1, true>>)
+RLK_ENTRY(58, "pp64x192_c2x1", false, Variant<64, 192, 2, 1, true>)
+RLK_ENTRY(59, "swap pp192x64_c1x2", false,
+          Swapped<Variant<192, 64, 1, 2, true>>)
+RLK_ENTRY(60, "swap pp256x64_c1x2", false,
+          Swapped<Variant<256, 64, 1, 2, true>>)
+RLK_ENTRY(61, "coop128x192_c2x1 (shipped for some N)", false, Cooperative128x192)
+RLK_ENTRY(62, "swap pp320x128_c1x2", false,
+          Swapped<Variant<320, 128, 1, 2, true>>)
+// nvjet's 320x64 runs 384 threads: both consumer warpgroups on one tile,
+// each 160 of its 320 weight columns (Nsight Compute, H100; CUTLASS's
+// ping-pong gives a lone tile one warpgroup, and its cooperative kernel
+// splits only M, by 64 rows each from M = 128). The same work per
+// warpgroup with M split: 128x160 tiles, 64x160 per warpgroup, 128 tiles
+// at M=512, N=5120 (one wave of 132); 128x96 for N=3072.
+RLK_ENTRY(63, "coop128x160_c2x1", false, Variant<128, 160, 2, 1, false>)
+RLK_ENTRY(64, "coop128x160_c1x2", false, Variant<128, 160, 1, 2, false>)
+RLK_ENTRY(65, "coop128x160_c2x1 B[N,K]", true, Variant<128, 160, 2, 1, false>)
+RLK_ENTRY(66, "coop128x96_c2x1", false, Variant<128, 96, 2, 1, false>)
+RLK_ENTRY(67, "coop128x96_c1x2", false, Variant<128, 96, 1, 2, false>)
+RLK_ENTRY(68, "coop128x160_c1x1", false, Variant<128, 160, 1, 1, false>)
+// nvjet's 320x64 1x2 itself: both warpgroups on one 64x320 tile, 160
+// columns each (ColumnSplitKernel).
+RLK_ENTRY(69, "cols64x320_c2x1", false, Columns64x320Cluster2x1)
+RLK_ENTRY(70, "cols64x320_c1x1", false, Tiles<64, 320, 1, 1, CooperativeColumns>)
+RLK_ENTRY(71, "cols64x256_c2x1", false, Tiles<64, 256, 2, 1, CooperativeColumns>)
+RLK_ENTRY(72, "cols64x384_c2x1", false, Tiles<64, 384, 2, 1, CooperativeColumns>)
+RLK_ENTRY(73, "coop128x96 (library)", false, Cooperative128x96)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;

@@ -15,7 +15,10 @@ round, the median counts); a sample is CALLS calls over SETS distinct A
 operands and one shared weight (M=4096), or REPLAYS replays of a CUDA graph
 of DECODE_SETS calls with their own weights (decode). The last lines are the
 table: TFLOP/s and the ratio to cuBLAS's per shape, and the geometric mean
-over the shapes run.
+over the shapes run. With RLK_COLD=1, MxKxN shapes are timed as the
+det_gemm_sweep times them: as many (A, B) sets as its timing_plan gives
+(enough to pass 256 MB, so no weight is re-read from L2) and samples of
+about --sweep_sample_ms of work.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import torch
 
 from benchmarks import harness  # run with the repository root on PYTHONPATH
+from benchmarks.bench_det_gemm_sweep import timing_plan
 
 SHAPES = {"qkv": (4096, 4096, 6144), "o": (4096, 4096, 4096),
           "gate_up": (4096, 4096, 28672), "down": (4096, 14336, 4096),
@@ -95,15 +99,16 @@ class Variant:
       raise RuntimeError(f"{self.name}: {msg.value.decode()}")
 
 
-def time_interleaved(impls: dict, arg_sets, *, graph: bool) -> dict:
+def time_interleaved(impls: dict, arg_sets, *, graph: bool,
+                     iters: int | None = None) -> dict:
   """Median ms per call of each implementation over `arg_sets` ((a, b, c)
   each), all timed in the same rounds by the library benchmark's
   harness.time_interleaved: CALLS calls a sample from a loop, or REPLAYS
   replays of one CUDA graph of every set (graph=True, decode)."""
   batches = {name: harness.torch_batch(fn, arg_sets, graph=graph)
              for name, fn in impls.items()}
-  return harness.time_interleaved(batches, iters=REPLAYS if graph else CALLS,
-                                  repeats=ROUNDS)
+  return harness.time_interleaved(
+      batches, iters=iters or (REPLAYS if graph else CALLS), repeats=ROUNDS)
 
 
 def gpu_state() -> str:
@@ -133,6 +138,8 @@ def main(argv):
     if names.count(v.name) > 1:
       v.name += f" [{os.path.basename(path)}]"
 
+  from absl import flags
+  flags.FLAGS(argv[:1])  # timing_plan reads --sweep_sample_ms's default
   print(torch.cuda.get_device_name(), torch.__version__, flush=True)
   torch.backends.cuda.matmul.allow_tf32 = False
   ratios = {}
@@ -141,12 +148,22 @@ def main(argv):
     m, k, n = (DECODE[shape] if decode else SHAPES[shape] if shape in SHAPES
                else map(int, shape.split("x")))
     gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+    cold = (os.environ.get("RLK_COLD") == "1" and not decode
+            and shape not in SHAPES)
+    if cold:
+      n_a, replays = timing_plan((m, k), (k, n), 2 * m * k * n, m * n)
+      n_b = n_a
+    else:
+      n_a, n_b = (DECODE_SETS, DECODE_SETS) if decode else (SETS, 1)
+      replays = None
     a_sets = [torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-              for _ in range(DECODE_SETS if decode else SETS)]
+              for _ in range(n_a)]
     b_sets = [torch.randn(k, n, device="cuda", generator=gen).bfloat16()
-              for _ in range(DECODE_SETS if decode else 1)]
+              for _ in range(n_b)]
     b = b_sets[0]
-    bt = b.t().contiguous()
+    transposed = ({x.data_ptr(): x.t().contiguous() for x in b_sets}
+                  if any(v.transpose_b for v in variants) else {})
+    bt = transposed.get(b.data_ptr())
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     kernels = harness.kernel_names(
         torch, lambda: torch.matmul(a_sets[0], b, out=c))
@@ -171,6 +188,10 @@ def main(argv):
       print(f"  {v.name}: bits {'= first variant' if same else 'DIFFER'}",
             flush=True)
       if not same:
+        exact = a_sets[0][:256].double() @ b.double()
+        err = float((c[:256].double() - exact).norm() / exact.norm())
+        print(f"  {v.name}: {int((got != ref).sum())} of {ref.numel()} "
+              f"outputs differ, rel err {err:.2e} on 256 rows", flush=True)
         continue  # a variant with other bits cannot ship: not timed
       orders = (ORDERS if v is variants[0] and not decode
                 and os.environ.get("RLK_ORDERS") == "1" else [(0, 0)])
@@ -181,7 +202,8 @@ def main(argv):
                          else f" s{swizzle}r{'MN'[raster - 1]}") + (
                              "" if pdl else " nopdl")
         impls[name] = (lambda v, sw, ra, pdl: lambda a, b_, c: v(
-            a, bt if v.transpose_b else b_, c, sw, ra, pdl))(
+            a, transposed[b_.data_ptr()] if v.transpose_b else b_, c, sw,
+            ra, pdl))(
                 v, swizzle, raster, pdl)
     print(f"  before: {gpu_state()}", flush=True)
     if decode:
@@ -193,8 +215,10 @@ def main(argv):
     else:
       # MxKxN shapes are the sweep's, of a few us to a few hundred: graph
       # replays, as the sweep times them, so the host's launch rate stays out.
-      times = time_interleaved(impls, [(a, b, c) for a in a_sets],
-                               graph=shape not in SHAPES)
+      sets = ([(a, bb, c) for a, bb in zip(a_sets, b_sets)] if cold
+              else [(a, b, c) for a in a_sets])
+      times = time_interleaved(impls, sets, graph=shape not in SHAPES,
+                               iters=replays)
     print(f"  after:  {gpu_state()}", flush=True)
     flops = 2 * m * k * n
     for name, ms in times.items():
