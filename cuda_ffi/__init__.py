@@ -46,7 +46,8 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "cooperative_128x320": 18, "pingpong_64x320_cluster_2x1": 19,
            "pingpong_128x96_cluster_2x4": 20,
            "pingpong_128x128_cluster_1x2": 21,
-           "swap_cooperative_256x192_cluster_1x2": 22}
+           "swap_cooperative_256x192_cluster_1x2": 22,
+           "cooperative_128x96": 23}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N

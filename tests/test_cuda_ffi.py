@@ -73,7 +73,7 @@ def test_sources_compile_for_sm90a():
   # Both values of every template switch (operand layouts, output dtype),
   # both schedules, cluster shapes along both modes (ping-pong in a cluster
   # too), the swapped tile, the custom epilogue subtile and the tile wider
-  # than one TMA box (320 columns): 7 of the 172 objects (about 40 s of
+  # than one TMA box (320 columns): 7 of the 180 objects (about 40 s of
   # nvcc each, so CI stays short). `python -m cuda_ffi.build --check`
   # compiles all; every device run builds all.
   build.check(jobs=2, variants=[(0, 0, 0)],

@@ -167,12 +167,10 @@ RLK_ENTRY(65, "coop128x160_c2x1 B[N,K]", true, Variant<128, 160, 2, 1, false>)
 RLK_ENTRY(66, "coop128x96_c2x1", false, Variant<128, 96, 2, 1, false>)
 RLK_ENTRY(67, "coop128x96_c1x2", false, Variant<128, 96, 1, 2, false>)
 RLK_ENTRY(68, "coop128x160_c1x1", false, Variant<128, 160, 1, 1, false>)
-// nvjet's 320x64 1x2 itself: both warpgroups on one 64x320 tile, 160
-// columns each (ColumnSplitKernel).
-RLK_ENTRY(69, "cols64x320_c2x1", false, Columns64x320Cluster2x1)
-RLK_ENTRY(70, "cols64x320_c1x1", false, Tiles<64, 320, 1, 1, CooperativeColumns>)
-RLK_ENTRY(71, "cols64x256_c2x1", false, Tiles<64, 256, 2, 1, CooperativeColumns>)
-RLK_ENTRY(72, "cols64x384_c2x1", false, Tiles<64, 384, 2, 1, CooperativeColumns>)
+// 69-72: a column-split kernel of rlk's own over CUTLASS's collectives
+// (two consumer warpgroups side by side in N: 64x320, 64x256, 64x384),
+// left out: 0.55-0.67x cuBLAS (benchmarks/results/experiments/
+// h100-2026-11-24/README.md; its code is in commit 9e6664c).
 RLK_ENTRY(73, "coop128x96 (library)", false, Cooperative128x96)
 #undef RLK_ENTRY
 

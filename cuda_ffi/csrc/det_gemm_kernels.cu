@@ -53,25 +53,6 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-// Both consumer warpgroups on one tile, each on half of its columns
-// (cuBLASLt's nvjet 320x64 kernels run so: 384 threads, 128 CTAs at
-// M=512, N=5120, in Nsight Compute on the H100). CUTLASS's cooperative
-// kernel splits a tile's rows only, from 128 of them, and its ping-pong
-// kernel gives a lone tile one warpgroup: at one tile per SM (a few
-// hundred rows) half its MMA warps idle. ColumnSplitKernel below runs
-// CUTLASS's own mainloop and epilogue with a 256-thread TiledMma whose two
-// warpgroups sit side by side in N; each output is still one f32 sum over
-// K in 64-wide tiles, k16 MMA after k16 MMA, so the bits do not move
-// (device-tested with the other configs).
-// Its epilogue stores each thread's accumulators straight to global memory:
-// CUTLASS's TMA epilogue walks subtiles that a row-split TiledMma spans
-// (128 rows) but a column split does not.
-struct CooperativeColumns {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecialized;  // a tile per CTA
-  using Epilogue = cutlass::epilogue::NoSmemWarpSpecialized;
-  static constexpr bool kSplitColumns = true;
-};
-
 // A config: kM x kN output tiles, the 64-wide K tile every config shares
 // (it fixes the K order, hence the bits), a cluster and a schedule.
 template <int kM, int kN, int kClusterM, int kClusterN, class Schedule>
@@ -187,14 +168,13 @@ using Pingpong128x128Cluster1x2 = Tiles<128, 128, 1, 2, Pingpong>;
 using SwapCooperative256x192Cluster1x2 =
     Swapped<Tiles<256, 192, 1, 2, Cooperative>>;
 
-// 64x320 tiles, 64x160 per warpgroup, in 2x1 clusters (each weight tile
-// read from L2 once for two row tiles): nvjet's 320x64 1x2 in rlk's M x N,
-// the kernel cuBLASLt ran where rlk stayed at 0.87-0.93x (M=512, N of
-// 4608-5120: mistral-nemo-12b down and o, qwen2.5-7b and llama3.2-3b qkv).
-using Columns64x320Cluster2x1 = Tiles<64, 320, 2, 1, CooperativeColumns>;
-// 128x96, both warpgroups on 64 rows each: at M=512 the 128 tiles of
-// N=3072 fill one wave (llama3.2-3b down: 1.06x cuBLAS in the variant probe
-// where 128x128 ran 0.90x; qwen3-1.7b down, N=2048: 0.94x against 0.80x).
+// 128x96, each warpgroup 64 rows: at M=512 the 128 tiles of N=3072 fill
+// one wave of 132 SMs where 128x128's 96 leave a quarter idle and 64-row
+// ping-pong tiles run one warpgroup each. Timed the sweep's way (H100,
+// benchmarks/results/experiments/h100-2026-11-24): llama3.2-3b down
+// (512x8192x3072) 1.06-1.13x cuBLAS where 128x128 ran 0.90x, qwen3-1.7b
+// down (N=2048) 0.91-0.99x against at most 0.80x, llama3.1-8b down at
+// M=256 (N=4096) 1.00x. Its B tile is 96 wide, a 64-byte swizzle.
 using Cooperative128x96 = Tiles<128, 96, 2, 1, Cooperative>;
 
 // A config may name its epilogue subtile per output type
@@ -222,189 +202,6 @@ struct SwapABOf : std::false_type {};
 template <class Config>
 struct SwapABOf<Config, std::void_t<decltype(Config::kSwapAB)>>
     : std::bool_constant<Config::kSwapAB> {};
-
-template <class T>
-struct Identity {
-  using type = T;
-};
-
-template <class Config, class = void>
-struct SplitColumnsOf : std::false_type {};
-template <class Config>
-struct SplitColumnsOf<Config, std::void_t<decltype(Config::kSplitColumns)>>
-    : std::bool_constant<Config::kSplitColumns> {};
-
-// The builder's mainloop for a CooperativeColumns config, its TiledMma
-// replaced by two warpgroups side by side in N, each with the MMA atom the
-// builder would pick for a tile of half the columns. Stages, TMA copies and
-// shared-memory layouts are the builder's for the whole tile.
-template <class Built, class LayoutA, class LayoutB>
-struct ColumnSplitMainloop {
-  using Tile = typename Built::TileShape;
-  using HalfTile = Shape<decltype(get<0>(Tile{})),
-                         Int<decltype(get<1>(Tile{}))::value / 2>,
-                         decltype(get<2>(Tile{}))>;
-  static constexpr auto kMajorA = cutlass::gemm::collective::detail::
-      gmma_ss_tag_to_major_A<typename Built::ElementA, LayoutA>();
-  static constexpr auto kMajorB = cutlass::gemm::collective::detail::
-      gmma_ss_tag_to_major_B<typename Built::ElementB, LayoutB>();
-  using TiledMma = decltype(make_tiled_mma(
-      cute::GMMA::ss_op_selector<typename Built::ElementA,
-                                 typename Built::ElementB, float, HalfTile,
-                                 kMajorA, kMajorB>(),
-      Layout<Shape<_1, _2, _1>>{}));
-  using type = cutlass::gemm::collective::CollectiveMma<
-      typename Built::DispatchPolicy, Tile, typename Built::ElementA,
-      typename Built::StrideA, typename Built::ElementB,
-      typename Built::StrideB, TiledMma, typename Built::GmemTiledCopyA,
-      typename Built::SmemLayoutAtomA, typename Built::SmemCopyAtomA,
-      typename Built::TransformA, typename Built::GmemTiledCopyB,
-      typename Built::SmemLayoutAtomB, typename Built::SmemCopyAtomB,
-      typename Built::TransformB>;
-};
-
-// CUTLASS's one-tile-per-CTA warp-specialized kernel (its arguments, grid
-// and workspace) with a device body for two consumer warpgroups: one
-// producer warpgroup loads A and B by TMA into the mainloop's pipeline, the
-// two consumer warpgroups each run the mainloop on their half of the tile's
-// columns, meet, and store through the epilogue together. The base body
-// would hand the whole tile to warpgroup 1 and idle warpgroup 2.
-template <class Base>
-struct ColumnSplitKernel : Base {
-  using typename Base::ClusterShape;
-  using typename Base::CollectiveEpilogue;
-  using typename Base::CollectiveMainloop;
-  using typename Base::Params;
-  using typename Base::SharedStorage;
-  using typename Base::TiledMma;
-  using typename Base::TileShape;
-  static constexpr int kMmaThreads = size(TiledMma{});
-  static_assert(kMmaThreads == 2 * cutlass::NumThreadsPerWarpGroup &&
-                Base::MaxThreadsPerBlock ==
-                    kMmaThreads + cutlass::NumThreadsPerWarpGroup);
-
-  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
-    const int thread_idx = static_cast<int>(threadIdx.x);
-    const int warp_idx = cutlass::canonical_warp_idx_sync();
-    const int lane_idx = cutlass::canonical_lane_idx();
-    const bool producer = cutlass::canonical_warp_group_idx() == 0;
-    const bool load_warp =
-        producer && warp_idx % cutlass::NumWarpsPerWarpGroup == 0;
-    const int mma_thread_idx = thread_idx - cutlass::NumThreadsPerWarpGroup;
-    const uint32_t block_rank_in_cluster = cute::block_rank_in_cluster();
-
-    if (warp_idx == 0 && cute::elect_one_sync()) {
-      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
-      CollectiveEpilogue::prefetch_tma_descriptors(params.epilogue);
-    }
-
-    using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
-    typename MainloopPipeline::Params mainloop_params;
-    if (load_warp) {
-      mainloop_params.role = MainloopPipeline::ThreadCategory::Producer;
-    }
-    if (!producer) {
-      mainloop_params.role = MainloopPipeline::ThreadCategory::Consumer;
-    }
-    mainloop_params.is_leader =
-        thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
-    mainloop_params.num_consumers = kMmaThreads;
-    mainloop_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
-    MainloopPipeline mainloop_pipeline(storage.pipelines.mainloop,
-                                       mainloop_params, ClusterShape{});
-
-    // The epilogue reads no C (D = acc): its load pipeline only exists.
-    using EpiLoadPipeline = typename CollectiveEpilogue::LoadPipeline;
-    typename EpiLoadPipeline::Params epi_load_params;
-    if (load_warp) {
-      epi_load_params.role = EpiLoadPipeline::ThreadCategory::Producer;
-    }
-    if (!producer) {
-      epi_load_params.role = EpiLoadPipeline::ThreadCategory::Consumer;
-    }
-    epi_load_params.dst_blockid = block_rank_in_cluster;
-    epi_load_params.producer_arv_count = cutlass::NumThreadsPerWarp;
-    epi_load_params.consumer_arv_count = kMmaThreads;
-    if constexpr (CollectiveEpilogue::RequiresTransactionBytes) {
-      epi_load_params.transaction_bytes =
-          params.epilogue.tma_transaction_bytes;
-    }
-    EpiLoadPipeline epi_load_pipeline(storage.pipelines.epi_load,
-                                      epi_load_params);
-    using EpiStorePipeline = typename CollectiveEpilogue::StorePipeline;
-    typename EpiStorePipeline::Params epi_store_params;
-    epi_store_params.always_wait = true;
-    EpiStorePipeline epi_store_pipeline(epi_store_params);
-
-    typename CollectiveMainloop::PipelineState mainloop_consumer_state;
-    typename CollectiveEpilogue::LoadPipelineState epi_load_consumer_state;
-    auto mainloop_producer_state =
-        cutlass::make_producer_start_state<MainloopPipeline>();
-    auto epi_store_producer_state =
-        cutlass::make_producer_start_state<EpiStorePipeline>();
-
-    // Every CTA of the cluster sees the barriers initialized before any
-    // multicast lands in its shared memory.
-    if constexpr (size(ClusterShape{}) > 1) {
-      cute::cluster_arrive_relaxed();
-    } else {
-      __syncthreads();
-    }
-
-    auto problem_shape_mnkl = append<4>(params.problem_shape, Int<1>{});
-    CollectiveMainloop mainloop;
-    CollectiveEpilogue epilogue(params.epilogue, storage.tensors.epilogue);
-    auto load_inputs = mainloop.load_init(problem_shape_mnkl, params.mainloop);
-    Tensor gA_mkl = get<0>(load_inputs);
-    Tensor gB_nkl = get<1>(load_inputs);
-    auto blk_coord = make_coord(idx2crd(int(blockIdx.x), shape<2>(gA_mkl)),
-                                idx2crd(int(blockIdx.y), shape<2>(gB_nkl)), _,
-                                idx2crd(int(blockIdx.z), shape<4>(gB_nkl)));
-    auto k_tile_iter = cute::make_coord_iterator(shape<3>(gA_mkl));
-    auto k_tile_count = size<3>(gA_mkl);
-
-    if constexpr (size(ClusterShape{}) > 1) cute::cluster_wait();
-
-    if (producer) {
-      if (load_warp) {
-        // Programmatic dependent launch: no operand is read before the
-        // kernel before this one has finished.
-        cutlass::arch::wait_on_dependent_grids();
-        mainloop.load(params.mainloop, mainloop_pipeline,
-                      mainloop_producer_state, load_inputs, blk_coord,
-                      k_tile_iter, k_tile_count, lane_idx,
-                      block_rank_in_cluster, storage.tensors.mainloop);
-        mainloop_producer_state.advance(k_tile_count);
-        mainloop.load_tail(mainloop_pipeline, mainloop_producer_state);
-      }
-      return;
-    }
-    // Nor is C written before then.
-    cutlass::arch::wait_on_dependent_grids();
-    Tensor accumulators =
-        partition_fragment_C(TiledMma{}, take<0, 2>(TileShape{}));
-    mainloop.mma(mainloop_pipeline, mainloop_consumer_state, accumulators,
-                 k_tile_count, mma_thread_idx, storage.tensors.mainloop,
-                 params.mainloop);
-    mainloop.mma_tail(mainloop_pipeline, mainloop_consumer_state,
-                      k_tile_count);
-    // The epilogue's shared memory is the mainloop's (a union): neither
-    // warpgroup writes it while the other's MMAs may still read a stage.
-    cutlass::arch::NamedBarrier::sync(
-        kMmaThreads,
-        static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier));
-    cutlass::arch::launch_dependent_grids();
-    auto [epi_load_next, epi_store_next] = epilogue.store(
-        epi_load_pipeline, epi_load_consumer_state, epi_store_pipeline,
-        epi_store_producer_state, problem_shape_mnkl, TileShape{}, blk_coord,
-        accumulators, TiledMma{}, mma_thread_idx, storage.tensors.epilogue);
-    epilogue.store_tail(epi_load_pipeline, epi_load_next, epi_store_pipeline,
-                        epi_store_next);
-#endif
-  }
-};
 
 // Row-major storage in our terms, as CUTLASS layout tags: A [M, K] is
 // K-major (RowMajor), A stored [K, M] is M-major (ColumnMajor); CUTLASS reads
@@ -437,25 +234,18 @@ struct Gemm {
       float, float, void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
       typename Config::Epilogue>::CollectiveOp;
 
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA,
       kAlignAB, ElementB, LayoutB, kAlignAB, float, typename Config::Tile,
       typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  static constexpr bool kSplitColumns = SplitColumnsOf<Config>::value;
-  using Mainloop = typename std::conditional_t<
-      kSplitColumns, ColumnSplitMainloop<BuiltMainloop, LayoutA, LayoutB>,
-      Identity<BuiltMainloop>>::type;
 
   // The default tile scheduler of these kernels is the persistent one: each
-  // output tile is computed whole by one CTA (no split-K, no stream-K); a
-  // CooperativeColumns config's kernel takes one tile per CTA.
-  using Universal = cutlass::gemm::kernel::GemmUniversal<
-      Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Kernel = std::conditional_t<kSplitColumns,
-                                    ColumnSplitKernel<Universal>, Universal>;
+  // output tile is computed whole by one CTA (no split-K, no stream-K).
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>,
+                                                      Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -578,6 +368,7 @@ RLK_CONFIG_OF(Pingpong64x320Cluster2x1)
 RLK_CONFIG_OF(Pingpong128x96Cluster2x4)
 RLK_CONFIG_OF(Pingpong128x128Cluster1x2)
 RLK_CONFIG_OF(SwapCooperative256x192Cluster1x2)
+RLK_CONFIG_OF(Cooperative128x96)
 #undef RLK_CONFIG_OF
 
 }  // namespace

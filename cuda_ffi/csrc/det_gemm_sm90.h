@@ -78,7 +78,8 @@ enum class GemmConfig : int {
   // C^T = B^T A^T: 256 weight columns x 192 rows, each warpgroup 128 of the
   // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 3072
   kSwapCooperative256x192Cluster1x2 = 22,
-  kLastConfig = kSwapCooperative256x192Cluster1x2,
+  kCooperative128x96 = 23,  // 2x1 cluster: one wave of N=3072 at M=512
+  kLastConfig = kCooperative128x96,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -93,7 +94,7 @@ enum class GemmConfig : int {
   X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)              \
   X(kCooperative128x320) X(kPingpong64x320Cluster2x1)                    \
   X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)            \
-  X(kSwapCooperative256x192Cluster1x2)
+  X(kSwapCooperative256x192Cluster1x2) X(kCooperative128x96)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
