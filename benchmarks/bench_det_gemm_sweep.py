@@ -40,10 +40,10 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 import zlib
+from statistics import geometric_mean
 
 import jax
 import jax.numpy as jnp
@@ -627,23 +627,19 @@ def summarize(rows: list[Row]) -> str:
            + " | all M |", "|" + "---|" * (len(ms) + 3)]
   for impl in [i for i in IMPLS if any(k[0] == i for k in ratios)]:
     for layout in LAYOUTS:
-      cells = [f"{_geomean(ratios[(impl, layout, m)]):.2f}"
+      cells = [f"{geometric_mean(ratios[(impl, layout, m)]):.2f}"
                if (impl, layout, m) in ratios else "" for m in ms]
       every = [x for (i, l, m), xs in ratios.items() if i == impl
                and l == layout for x in xs]
       lines.append(f"| {impl} | {layout} | " + " | ".join(cells)
-                   + (f" | {_geomean(every):.2f} |" if every else " | |"))
+                   + (f" | {geometric_mean(every):.2f} |" if every else " | |"))
     lines.append(f"| {impl} | all | " + " | " * len(ms)
-                 + f"{_geomean(ratios[(impl, 'all', 0)]):.2f} |")
+                 + f"{geometric_mean(ratios[(impl, 'all', 0)]):.2f} |")
   lines += ["", "Slowest products against cuBLAS:", ""]
   for impl, xs in worst.items():
     lines.append(f"- {impl}: " + "; ".join(
         f"{case} {x:.2f}x" for x, case in sorted(xs)[:5]))
   return "\n".join(lines + _floor_lines(rows) + _bits_lines(rows, peer))
-
-
-def _geomean(xs) -> float:
-  return math.exp(statistics.fmean(map(math.log, xs)))
 
 
 def _dims(case: str) -> dict[str, int]:
@@ -664,7 +660,7 @@ def _floor_lines(rows: list[Row]) -> list[str]:
   return ["", f"Decode rows with a weight of {FLOOR_WEIGHT_BYTES >> 20} MB "
           "or more, time over the byte floor (operand bytes over the copy "
           "bandwidth measured in this run):", ""] + [
-              f"- {impl}: geomean {_geomean(xs):.2f}x, worst "
+              f"- {impl}: geomean {geometric_mean(xs):.2f}x, worst "
               f"{max(xs):.2f}x over {len(xs)} products"
               for impl, xs in over.items()]
 
@@ -694,7 +690,7 @@ def _bits_lines(rows: list[Row], peer: dict[str, float]) -> list[str]:
     cells = []
     for d in (False, True):
       xs = groups.get((layout, d), [])
-      cells += [str(len(xs)), f"{_geomean(xs):.3f}" if xs else ""]
+      cells += [str(len(xs)), f"{geometric_mean(xs):.3f}" if xs else ""]
     if any(groups.get((layout, d)) for d in (False, True)):
       lines.append(f"| {layout} | " + " | ".join(cells) + " |")
   return lines

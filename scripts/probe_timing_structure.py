@@ -23,6 +23,7 @@ use), and scores each way's pick by the sweep's timing:
 from __future__ import annotations
 
 import math
+import statistics
 import os
 import sys
 
@@ -120,7 +121,7 @@ def main(specs):
     torch.cuda.empty_cache()
   for way in all_losses[0]:
     xs = [l[way] for l in all_losses]
-    print(f"{way}: its pick runs {math.exp(sum(map(math.log, xs)) / len(xs)):.3f}x "
+    print(f"{way}: its pick runs {statistics.geometric_mean(xs):.3f}x "
           f"the sweep's fastest (worst {max(xs):.3f}) over {len(xs)} products")
 
 

@@ -14,7 +14,7 @@ pick, the sweep-timed fastest config and what the pick loses against it.
 from __future__ import annotations
 
 import csv
-import math
+import statistics
 import sys
 
 import torch
@@ -86,7 +86,7 @@ def main(out_csv: str, specs: list[str]) -> None:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-  g = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))
+  g = statistics.geometric_mean
   print(f"over {len(losses)} products: the tuner's pick runs {g(losses):.3f}x "
         f"the sweep-timed fastest config's time (worst {max(losses):.3f}); "
         f"pick {g(pick_ratio):.3f}x cuBLAS, fastest {g(best_ratio):.3f}x; "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import itertools
-import math
+import statistics
 import os
 import subprocess
 import sys
@@ -234,7 +234,7 @@ def main(argv):
     if name == "cublas":
       continue
     cells = [f"{r[s]:.3f}" if s in r else "-" for s in shapes]
-    geo = (f"{math.exp(sum(map(math.log, r.values())) / len(r)):.3f}"
+    geo = (f"{statistics.geometric_mean(r.values()):.3f}"
            if len(r) == len(shapes) else "-")
     print(f"| {name} | " + " | ".join(cells) + f" | {geo} |")
 
