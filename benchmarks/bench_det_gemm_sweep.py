@@ -149,6 +149,17 @@ TUNE_ONLY = flags.DEFINE_bool(
     "product's SM90 config (with --sweep_retune: measure every product "
     "again) and write the table, timing no competitor: a table over the "
     "whole sweep in minutes.")
+REFINE_PICKS = flags.DEFINE_integer(
+    "sweep_refine_picks", 0, "After rlk's autotuner measures a product, "
+    "time this many of its screen's fastest configs the sweep's way "
+    "(interleaved rounds over the product's operand sets, CUDA-graph "
+    "replay through the torch route, --sweep_sample_ms samples) and keep "
+    "the fastest of them (ties by the tuner's order) as the choice the "
+    "rows run and the table ships. 0: the tuner's own pick. The tuner's "
+    "finalist stage rated clustered ping-pong configs 5-7% faster and "
+    "cooperative 128x192 and 256x192 4-7% slower than the sweep timed them "
+    "(H100, 2026-11-24, 13 products), enough to pick a config 8-11% slower "
+    "on M=512 products of N 4608-5120.")
 COMPARE_BITS = flags.DEFINE_bool(
     "sweep_compare_bits", False, "Also compare cuBLAS's result with rlk's "
     "bit for bit on each product (its cublas row notes the rows that "
@@ -266,10 +277,13 @@ def run(smoke: bool) -> list[Row]:
           skipped += 3
           continue
         for layout in LAYOUTS_FLAG.value or LAYOUTS:
+          case = f"{family} {proj} M={m} K={k} N={n} {layout}"
+          if on_gpu and rlk_ready.get("cuda_ffi") and (
+              TUNE_ONLY.value or REFINE_PICKS.value):
+            _tune(case, layout, m, k, n)
+            if REFINE_PICKS.value and torch is not None:
+              _refine_pick(case, layout, m, k, n, torch)
           if TUNE_ONLY.value:
-            if on_gpu and rlk_ready.get("cuda_ffi"):
-              _tune(f"{family} {proj} M={m} K={k} N={n} {layout}",
-                    layout, m, k, n)
             continue
           rows += _product_rows(family, proj, m, k, n, layout, impls, torch,
                                 on_gpu, rlk_ready, pallas_ms, jax_ms, smoke)
@@ -278,8 +292,7 @@ def run(smoke: bool) -> list[Row]:
           # takes about 30 s) and must not take what it measured along.
           for backend, times in _TILE_TIMES.items():
             _write_tile_tuning(harness.output_dir(), backend, times)
-          recipe_products.append(
-              [f"{family} {proj} M={m} K={k} N={n} {layout}", m, k, n, layout])
+          recipe_products.append([case, m, k, n, layout])
     if (cublaslt_recipe.RECIPE in impls and torch is not None and on_gpu
         and recipe_products):
       rows += _recipe_rows(recipe_products, rows)
@@ -558,6 +571,40 @@ def _tune(case, layout, m, k, n) -> None:
         file=sys.stderr, flush=True)
 
 
+def _refine_pick(case, layout, m, k, n, torch) -> None:
+  """--sweep_refine_picks: the tuner's fastest few configs timed the
+  sweep's way, the fastest kept (in the cache the table is written from)."""
+  from rlk_jax import _gemm_tuning
+  from rlk_torch_bridge import _sm90
+  ta, tb, x_shape, y_shape, (pm, pn, pk) = layout_product(layout, m, k, n)
+  signature = dict(transpose_a=ta, transpose_b=tb, out_f32=False)
+  _gemm_tuning.choose_config(pm, pn, pk, **signature)
+  entry = _gemm_tuning.tuned_entry(pm, pn, pk, **signature)
+  if not entry or "sweep_ms" in entry:  # a table's answer, or done already
+    return
+  screen = entry["ms"]
+  finalists = sorted(screen, key=screen.get)[:REFINE_PICKS.value]
+  n_sets, iters = timing_plan(x_shape, y_shape, 2 * m * n * k, pm * pn)
+  gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.encode()))
+  sets = [(torch.randn(x_shape, device="cuda", generator=gen).bfloat16(),
+           torch.randn(y_shape, device="cuda", generator=gen).bfloat16())
+          for _ in range(n_sets)]
+  batches = {c: harness.torch_batch(_sm90.product_launcher(
+      pm, pn, pk, ta, tb, torch.bfloat16, c), sets, graph=True)
+             for c in finalists}
+  times = harness.time_interleaved(batches, iters=iters, repeats=5, warmup=1)
+  del batches, sets
+  torch.cuda.empty_cache()
+  config = _gemm_tuning.pick(times)
+  _gemm_tuning.keep_choice(pm, pn, pk, **signature, config=config,
+                           sweep_ms=times)
+  print(f"  {case} | sweep-timed pick {config} (the tuner's "
+        f"{entry['config']}, {times[entry['config']] / times[config]:.3f}x "
+        f"its time)" if entry["config"] in times else
+        f"  {case} | sweep-timed pick {config} (the tuner's {entry['config']} "
+        "not among the finalists)", file=sys.stderr, flush=True)
+
+
 def _chosen_config(m, n, k, ta, tb) -> str:
   from rlk_jax import _gemm_tuning
   return _gemm_tuning.choose_config(m, n, k, transpose_a=ta, transpose_b=tb,
@@ -580,21 +627,28 @@ def _write_tuning(out_dir: str) -> None:
     writer = csv.writer(f)
     # median_ms: the tuner's screen (every config); sustained_ms: its
     # finalists timed again on a card at its power cap, which chose.
+    # sweep_ms: --sweep_refine_picks's timing of the fastest few, which
+    # then chose.
     writer.writerow(["device", "commit", "layout", "m", "n", "k", "config",
-                     "median_ms", "chosen", "x_fastest", "sustained_ms"])
+                     "median_ms", "chosen", "x_fastest", "sustained_ms",
+                     "sweep_ms"])
     for key, entry in sorted(entries.items()):
       layout, _, n, k = key.split()
       fastest = min(entry["ms"].values())
       hot = entry.get("sustained_ms", {})
+      swept = entry.get("sweep_ms", {})
       for config, ms in sorted(entry["ms"].items(), key=lambda kv: kv[1]):
         writer.writerow([device, harness.commit(), layout, entry["m"], n, k,
                          config, f"{ms:.6g}", int(config == entry["config"]),
                          f"{ms / fastest:.4f}",
-                         f"{hot[config]:.6g}" if config in hot else ""])
+                         f"{hot[config]:.6g}" if config in hot else "",
+                         f"{swept[config]:.6g}" if config in swept else ""])
   table = {"device": device, "commit": harness.commit(),
            "date": datetime.date.today().isoformat(),
            "source": "benchmarks/bench_det_gemm_sweep.py (rlk's autotuner "
-                     "on every product of the sweep)",
+                     "on every product of the sweep" + (
+                         f"; its {REFINE_PICKS.value} fastest timed the "
+                         "sweep's way chose)" if REFINE_PICKS.value else ")"),
            "entries": {key: e["config"] for key, e in sorted(entries.items())}}
   name = f"det_gemm_sm90-{_gemm_tuning.device_slug(device)}.json"
   with open(os.path.join(out_dir, name), "w") as f:

@@ -302,6 +302,38 @@ def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
   return config
 
 
+def tuned_entry(m: int, n: int, k: int, *, transpose_a: bool,
+                transpose_b: bool, out_f32: bool,
+                device: str | None = None) -> dict | None:
+  """What the on-disk cache keeps for this product on this device and
+  library build (the choice and the times behind it), or None."""
+  import cuda_ffi
+  key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
+  entries = _disk_cache(device or _device_name(), cuda_ffi.build_id())._read()
+  return entries.get(key)
+
+
+def keep_choice(m: int, n: int, k: int, *, transpose_a: bool,
+                transpose_b: bool, out_f32: bool, config: str,
+                device: str | None = None,
+                **measured: dict[str, float]) -> None:
+  """Keeps `config` as this product's choice, in the on-disk cache (the
+  tuner's times stay in the entry beside `measured`, each a {config: ms})
+  and in this process's memo: the det_gemm_sweep's own timing choosing
+  among the tuner's fastest configs for the tables it writes."""
+  import cuda_ffi
+  if config not in cuda_ffi.CONFIGS:
+    raise ValueError(f"unknown det_gemm SM90 config {config!r}")
+  device = device or _device_name()
+  key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
+  with _lock:
+    cache = _disk_cache(device, cuda_ffi.build_id())
+    entry = dict(cache._read().get(key) or {"m": m})
+    entry.update(measured, config=config)
+    cache.put(key, entry)
+    _memo[(device, key)] = config
+
+
 def pallas_key(m, n, k, transpose_a, transpose_b) -> str:
   # 2-byte operands only (f16 and bf16 share tiles and tensor-core rate).
   return f"{int(transpose_a)}{int(transpose_b)}2 {m_bucket(m)} {n} {k}"

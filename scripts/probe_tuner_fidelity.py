@@ -9,11 +9,14 @@ samples, interleaved rounds with cuBLAS). Prints, per product, the tuner's
 pick, the sweep-timed fastest config and what the pick loses against it.
 
     python scripts/probe_tuner_fidelity.py OUT_CSV [M,N,K ...]   (forward layout)
+
+RLK_REPEATS (default 5, the sweep's) sets the interleaved rounds per product.
 """
 
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import sys
 
@@ -58,7 +61,9 @@ def main(out_csv: str, specs: list[str]) -> None:
       batches[c] = harness.torch_batch(
           _sm90.product_launcher(m, n, k, False, False, torch.bfloat16, c),
           sets, graph=True)
-    real = harness.time_interleaved(batches, iters=iters, repeats=5, warmup=1)
+    real = harness.time_interleaved(
+        batches, iters=iters, repeats=int(os.environ.get("RLK_REPEATS", 5)),
+        warmup=1)
     del batches, sets
     pick, pick_again = _gemm_tuning.pick(hot), _gemm_tuning.pick(hot_again)
     agree += pick == pick_again

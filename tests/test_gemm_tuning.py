@@ -95,6 +95,29 @@ def test_the_sustained_times_choose_and_both_are_kept(fake_library):
   assert len(entry["sustained_ms"]) == 6
 
 
+def test_a_kept_choice_replaces_the_tuners_and_keeps_its_times(fake_library):
+  # The sweep's own timing of the tuner's fastest configs overrides its
+  # pick: in this process at once, and in the cache a table is written from.
+  calls, times, _ = fake_library
+  first, second = tuning.CANDIDATES[3], tuning.CANDIDATES[7]
+  times.update({first: 0.5, second: 0.6})
+  assert choose(700) == first
+  signature = dict(transpose_a=False, transpose_b=False, out_f32=False,
+                   device=DEVICE)
+  tuned = tuning.tuned_entry(700, 4096, 4096, **signature)
+  assert tuned["config"] == first and tuned["ms"][second] == 0.6
+  tuning.keep_choice(700, 4096, 4096, config=second,
+                     sweep_ms={first: 0.8, second: 0.7}, **signature)
+  assert choose(700) == second
+  tuning.clear_memo()
+  assert choose(700) == second and len(calls["timed"]) == 1
+  kept = tuning.tuned_entry(700, 4096, 4096, **signature)
+  assert kept["ms"] == tuned["ms"] and kept["sweep_ms"][first] == 0.8
+  assert tuning.tuned_entry(701 + 128, 4096, 4096, **signature) is None
+  with pytest.raises(ValueError, match="no_such_config"):
+    tuning.keep_choice(700, 4096, 4096, config="no_such_config", **signature)
+
+
 def test_m_bucket_keeps_tile_counts_apart():
   assert [tuning.m_bucket(m) for m in (1, 16, 17, 64, 65, 128, 129, 1024,
                                        4096, 4097, 16384)] == [
