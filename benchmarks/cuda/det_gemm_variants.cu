@@ -155,12 +155,13 @@ RLK_ENTRY(60, "swap pp256x64_c1x2", false,
 RLK_ENTRY(61, "coop128x192_c2x1 (shipped for some N)", false, Cooperative128x192)
 RLK_ENTRY(62, "swap pp320x128_c1x2", false,
           Swapped<Variant<320, 128, 1, 2, true>>)
-// nvjet's 320x64 runs 384 threads: both consumer warpgroups on one tile,
-// each 160 of its 320 weight columns (Nsight Compute, H100; CUTLASS's
-// ping-pong gives a lone tile one warpgroup, and its cooperative kernel
-// splits only M, by 64 rows each from M = 128). The same work per
-// warpgroup with M split: 128x160 tiles, 64x160 per warpgroup, 128 tiles
-// at M=512, N=5120 (one wave of 132); 128x96 for N=3072.
+// nvjet's 320x64 runs 384 threads, read at first as both consumer
+// warpgroups on one tile, 160 weight columns each (Nsight Compute's
+// occupancy, H100). Its SASS later showed one warpgroup on the whole tile,
+// as CUTLASS's ping-pong 64x320 (det_gemm_refined_picks-6259b4a). The
+// work per warpgroup of that reading with M split: 128x160 tiles, 64x160
+// per warpgroup, 128 tiles at M=512, N=5120 (one wave of 132); 128x96 for
+// N=3072.
 RLK_ENTRY(63, "coop128x160_c2x1", false, Variant<128, 160, 2, 1, false>)
 RLK_ENTRY(64, "coop128x160_c1x2", false, Variant<128, 160, 1, 2, false>)
 RLK_ENTRY(65, "coop128x160_c2x1 B[N,K]", true, Variant<128, 160, 2, 1, false>)
