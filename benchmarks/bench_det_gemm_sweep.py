@@ -570,13 +570,13 @@ def _tune(case, layout, m, k, n) -> None:
 
 
 def _refine_pick(case, layout, m, k, n, torch) -> None:
-  """--sweep_refine_picks: the tuner's fastest few configs timed the
-  sweep's way, the fastest kept (in the cache the table is written from)."""
+  """--sweep_refine_picks, after _tune: the tuner's fastest few configs
+  timed the sweep's way, the fastest kept (in the cache the table is
+  written from)."""
   from rlk_jax import _gemm_tuning
   from rlk_torch_bridge import _sm90
   ta, tb, x_shape, y_shape, (pm, pn, pk) = layout_product(layout, m, k, n)
   signature = dict(transpose_a=ta, transpose_b=tb, out_f32=False)
-  _gemm_tuning.choose_config(pm, pn, pk, **signature)
   entry = _gemm_tuning.tuned_entry(pm, pn, pk, **signature)
   if not entry or "sweep_ms" in entry:  # a table's answer, or done already
     return

@@ -145,11 +145,18 @@ class DiskCache:
     entry = self._entries.get(key)
     return entry["config"] if entry else None
 
-  def put(self, key: str, entry: dict) -> None:
+  def entry(self, key: str) -> dict | None:
+    """The whole entry as the file has it now (choice and times)."""
+    return self._read().get(key)
+
+  def put(self, key: str, entry: dict, merge: bool = False) -> None:
+    """Writes `entry` under `key`; `merge` keeps the fields of the entry
+    already there that `entry` does not name (read under the lock, so a
+    concurrent writer's fields survive too)."""
     self.path.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(self.path.with_suffix(".lock")):
       entries = self._read()
-      entries[key] = entry
+      entries[key] = {**entries.get(key, {}), **entry} if merge else entry
       fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
       with os.fdopen(fd, "w") as f:
         json.dump({"entries": entries}, f, indent=0, sort_keys=True)
@@ -309,8 +316,7 @@ def tuned_entry(m: int, n: int, k: int, *, transpose_a: bool,
   library build (the choice and the times behind it), or None."""
   import cuda_ffi
   key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
-  entries = _disk_cache(device or _device_name(), cuda_ffi.build_id())._read()
-  return entries.get(key)
+  return _disk_cache(device or _device_name(), cuda_ffi.build_id()).entry(key)
 
 
 def keep_choice(m: int, n: int, k: int, *, transpose_a: bool,
@@ -327,10 +333,8 @@ def keep_choice(m: int, n: int, k: int, *, transpose_a: bool,
   device = device or _device_name()
   key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
   with _lock:
-    cache = _disk_cache(device, cuda_ffi.build_id())
-    entry = dict(cache._read().get(key) or {"m": m})
-    entry.update(measured, config=config)
-    cache.put(key, entry)
+    _disk_cache(device, cuda_ffi.build_id()).put(
+        key, {"m": m, **measured, "config": config}, merge=True)
     _memo[(device, key)] = config
 
 

@@ -23,8 +23,8 @@ use), and scores each way's pick by the sweep's timing:
 from __future__ import annotations
 
 import math
-import statistics
 import os
+import statistics
 import sys
 
 import torch

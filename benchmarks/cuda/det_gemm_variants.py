@@ -26,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import glob
 import itertools
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 
