@@ -60,7 +60,9 @@ CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
               "pingpong_64x128_cluster_4x2", "pingpong_64x64_cluster_1x2",
               "cooperative_128x320", "pingpong_64x320_cluster_2x1",
               "pingpong_128x96_cluster_2x4", "pingpong_128x128_cluster_1x2",
-              "swap_cooperative_256x192_cluster_1x2", "cooperative_128x96")
+              "swap_cooperative_256x192_cluster_1x2", "cooperative_128x96",
+              "pingpong_64x320", "cooperative_128x128_cluster_1x1",
+              "cooperative_128x320_k32")
 # Configs the library has but the autotuner does not time yet: compiled, not
 # yet proven bit-identical on a device. They join CANDIDATES (at the end of
 # the tie order) once the device tests have run them.

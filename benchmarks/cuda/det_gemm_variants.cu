@@ -37,6 +37,119 @@ struct WithEpilogue : Base {
   using EpilogueTile = Shape<Int<kRows>, Int<kColumns>>;
 };
 
+// The mainloop of a built collective, its MMAs issued accumulator by
+// accumulator: every k16 MMA of a K tile into one 64xN accumulator, then
+// the next accumulator, as cuBLASLt's nvjet 320x64 issues its five 64x64
+// chains (its SASS, det_gemm_refined_picks-6259b4a). CUTLASS's mainloop
+// issues k16 by k16 across all accumulators. Each accumulator still takes
+// its k16 MMAs in K order, so the bits cannot move. kEarlyWait: the first
+// chain of a K tile is committed alone and the previous tile's MMAs are
+// waited for (and its buffer released) right after it, as nvjet places
+// its wait, instead of after the whole tile is issued.
+template <class Built, bool kEarlyWait>
+struct ChainedMainloop : Built {
+  template <class Accumulators>
+  CUTLASS_DEVICE void mma(typename Built::MainloopPipeline pipeline,
+                          typename Built::PipelineState read,
+                          Accumulators& accum, int k_tile_count,
+                          int thread_idx,
+                          typename Built::TensorStorage& shared_tensors,
+                          typename Built::Params const&) {
+    using TiledMma = typename Built::TiledMma;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
+                            typename Built::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
+                            typename Built::SmemLayoutB{});
+    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    auto warp_groups = make_layout(Int<kWarpGroups>{},
+                                   Int<cutlass::NumThreadsPerWarpGroup>{});
+    const int warp_group =
+        __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
+    constexpr int kChains = size<1>(Accumulators{}) * size<2>(Accumulators{});
+    // Chains [first, last) of one K tile; `zero`: the tile is the first,
+    // so each chain's first k16 MMA overwrites its accumulator.
+    auto issue = [&](int stage, bool zero, int first, int last) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int chain = 0; chain < kChains; ++chain) {
+        if (chain < first || chain >= last) continue;
+        const int n = chain / size<1>(accum), m = chain % size<1>(accum);
+        CUTLASS_PRAGMA_UNROLL
+        for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+          tiled_mma.accumulate_ = zero && k_block == 0 ? GMMA::ScaleOut::Zero
+                                                       : GMMA::ScaleOut::One;
+          cute::gemm(tiled_mma, tCrA(_, m, k_block, stage),
+                     tCrB(_, n, k_block, stage), accum(_, m, n));
+        }
+      }
+    };
+    static_assert(Built::K_PIPE_MMAS == 1);
+    auto release = read;
+    cute::warpgroup_fence_operand(accum);
+    pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+    cute::warpgroup_arrive();
+    issue(read.index(), true, 0, kChains);
+    cute::warpgroup_commit_batch();
+    ++read;
+    cute::warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (--k_tile_count; k_tile_count > 0; --k_tile_count) {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      cute::warpgroup_fence_operand(accum);
+      cute::warpgroup_arrive();
+      if constexpr (kEarlyWait) {
+        issue(read.index(), false, 0, 1);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();
+        pipeline.consumer_release(release);
+        cute::warpgroup_arrive();
+        issue(read.index(), false, 1, kChains);
+        cute::warpgroup_commit_batch();
+      } else {
+        issue(read.index(), false, 0, kChains);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();
+        cute::warpgroup_fence_operand(accum);
+        pipeline.consumer_release(release);
+      }
+      ++read;
+      ++release;
+    }
+    cute::warpgroup_fence_operand(accum);
+  }
+};
+
+template <class Config, class = void>
+struct ChainedOf {
+  static constexpr int value = 0;  // CUTLASS's own mainloop
+};
+template <class Config>
+struct ChainedOf<Config, std::void_t<decltype(Config::kChained)>> {
+  static constexpr int value = Config::kChained;
+};
+
+// The library's Gemm, or the same with ChainedMainloop (kChained 1: wait
+// after the whole tile, 2: nvjet's early wait).
+template <bool kTransposeB, class Config, int kChained = ChainedOf<Config>::value>
+struct VariantGemm : Gemm<false, kTransposeB, false, Config> {
+  using Base = Gemm<false, kTransposeB, false, Config>;
+  using Mainloop = ChainedMainloop<typename Base::Mainloop, kChained == 2>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<
+      Shape<int, int, int, int>, Mainloop, typename Base::Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+template <bool kTransposeB, class Config>
+struct VariantGemm<kTransposeB, Config, 0>
+    : Gemm<false, kTransposeB, false, Config> {};
+
+template <int kChainedMode, class Base>
+struct Chained : Base {
+  static constexpr int kChained = kChainedMode;
+};
+
 // Variant n: its name, whether B is stored [N, K] (the dA layout) instead of
 // [K, N], and its config. Only the one compiled (RLK_VARIANT) instantiates
 // a kernel.
@@ -173,6 +286,33 @@ RLK_ENTRY(68, "coop128x160_c1x1", false, Variant<128, 160, 1, 1, false>)
 // left out: 0.55-0.67x cuBLAS (benchmarks/results/experiments/
 // h100-2026-11-24/README.md; its code is in commit 9e6664c).
 RLK_ENTRY(73, "coop128x96 (library)", false, Cooperative128x96)
+// The nvjet issue order (ChainedMainloop) on the 320-wide tiles, whose
+// warpgroups hold five 64x64 accumulators each (CUTLASS's builder takes
+// n64 MMAs for N=320: n160 is an extended shape, off by default).
+RLK_ENTRY(74, "pp64x320_c2x1 chained", false,
+          Chained<1, Pingpong64x320Cluster2x1>)
+RLK_ENTRY(75, "pp64x320_c2x1 chained early wait", false,
+          Chained<2, Pingpong64x320Cluster2x1>)
+RLK_ENTRY(76, "coop128x320_c2x1 chained", false,
+          Chained<1, Cooperative128x320>)
+RLK_ENTRY(77, "coop128x320_c2x1 chained early wait", false,
+          Chained<2, Cooperative128x320>)
+RLK_ENTRY(78, "pp64x320_c2x1 (library)", false, Pingpong64x320Cluster2x1)
+// A 32-deep K tile: half the bytes per pipeline stage, so twice the stages
+// (8-9 of 24 KB for 64x320 where 64-deep tiles fit 4 of 48 KB) and a
+// buffer handed back to the producer after half the MMAs. The k16 MMAs
+// still run in K order into one accumulator.
+RLK_ENTRY(79, "pp64x320_c2x1_k32", false, Variant<64, 320, 2, 1, true, false, 32>)
+RLK_ENTRY(80, "coop128x192_c2x1_k32", false,
+          Variant<128, 192, 2, 1, false, false, 32>)
+RLK_ENTRY(81, "coop128x320_c2x1_k32", false,
+          Variant<128, 320, 2, 1, false, false, 32>)
+RLK_ENTRY(82, "pp64x320_c1x1", false, Variant<64, 320, 1, 1, true>)
+// No cluster on the one-wave M=512 products (pp64x320_c1x1 ran 5-9%
+// faster than the 2x1 pair on 512 x 4096-14336 x 5120).
+RLK_ENTRY(83, "coop128x192_c1x1", false, Variant<128, 192, 1, 1, false>)
+RLK_ENTRY(84, "coop128x128_c1x1", false, Variant<128, 128, 1, 1, false>)
+RLK_ENTRY(85, "coop128x96_c1x1", false, Variant<128, 96, 1, 1, false>)
 #undef RLK_ENTRY
 
 using Chosen = Entry<RLK_VARIANT>;
@@ -202,9 +342,8 @@ extern "C" int rlk_variant_run(const void* a, const void* b, void* c,
   rlk::GemmProblem p{a, b, c, m, n, k, sm_count, workspace, workspace_bytes,
                      stream, swizzle, raster, launch_with_pdl};
   rlk::LaunchStatus s =
-      rlk::Run<rlk::Gemm<false, rlk::Chosen::kTransposeB, false,
-                        rlk::Chosen::Config>>(
-          p, workspace_needed);
+      rlk::Run<rlk::VariantGemm<rlk::Chosen::kTransposeB,
+                                rlk::Chosen::Config>>(p, workspace_needed);
   if (!s.ok) {
     *message = s.message;
     return -1;

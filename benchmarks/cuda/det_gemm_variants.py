@@ -55,6 +55,16 @@ ORDERS = [(0, 0), (1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2),
           (8, 2)]
 
 
+def _orders(setting: str) -> list[tuple[int, int]]:
+  """RLK_ORDERS: "1" for every order of ORDERS, or a list of
+  swizzle:raster pairs such as "0:0,1:1,1:2"; unset, the default order."""
+  if setting == "1":
+    return ORDERS
+  if not setting:
+    return [(0, 0)]
+  return [tuple(map(int, pair.split(":"))) for pair in setting.split(",")]
+
+
 class Variant:
   def __init__(self, path: str):
     self.lib = ctypes.CDLL(path)
@@ -124,7 +134,7 @@ def gpu_state() -> str:
 def main(argv):
   """argv: directory [variant indices, comma-separated] [shapes]; with
   RLK_ORDERS=1 the first variant also runs under every tile order of
-  ORDERS; with RLK_NOPDL=1 every variant that can switch it also runs
+  ORDERS (or the swizzle:raster pairs RLK_ORDERS lists); with RLK_NOPDL=1 every variant that can switch it also runs
   without programmatic dependent launch."""
   directory = argv[1]
   only = set(map(int, argv[2].split(","))) if len(argv) > 2 else None
@@ -193,8 +203,8 @@ def main(argv):
         print(f"  {v.name}: {int((got != ref).sum())} of {ref.numel()} "
               f"outputs differ, rel err {err:.2e} on 256 rows", flush=True)
         continue  # a variant with other bits cannot ship: not timed
-      orders = (ORDERS if v is variants[0] and not decode
-                and os.environ.get("RLK_ORDERS") == "1" else [(0, 0)])
+      orders = (_orders(os.environ.get("RLK_ORDERS", ""))
+                if v is variants[0] and not decode else [(0, 0)])
       pdls = ([True, False] if v.has_pdl_switch
               and os.environ.get("RLK_NOPDL") == "1" else [True])
       for (swizzle, raster), pdl in itertools.product(orders, pdls):

@@ -53,11 +53,14 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-// A config: kM x kN output tiles, the 64-wide K tile every config shares
-// (it fixes the K order, hence the bits), a cluster and a schedule.
-template <int kM, int kN, int kClusterM, int kClusterN, class Schedule>
+// A config: kM x kN output tiles, a cluster, a schedule and the K tile
+// (how deep one pipeline stage is). Whatever the K tile, the mainloop issues
+// the k16 MMAs of each accumulator in K order, so every config gives the
+// same bits (device-tested).
+template <int kM, int kN, int kClusterM, int kClusterN, class Schedule,
+          int kK = 64>
 struct Tiles : Schedule {
-  using Tile = Shape<Int<kM>, Int<kN>, _64>;
+  using Tile = Shape<Int<kM>, Int<kN>, Int<kK>>;
   using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
 };
 
@@ -145,9 +148,10 @@ using Pingpong64x64Cluster1x2 = Tiles<64, 64, 1, 2, Pingpong>;
 // (N = 5120 and 10240 are 16 and 32 of them, where 256x192 leaves a third
 // of a tile at the edge, and at M=1024, N=5120 the 128 tiles of 128x320
 // fill one wave of 132 CTAs where 128x256's 160 take 1.2). CUTLASS
-// builds the tile from two 64x160 MMAs per warpgroup, each output still
-// one f32 sum in K order, and loads B's 320 columns as a 3-D TMA box (a
-// box is at most 256 wide). The 96-column tiles in 2x4 clusters are its
+// builds the tile from five 64x64 MMAs per warpgroup (n160 is one of the
+// extended MMA shapes, off by default), each output still one f32 sum in
+// K order, and loads B's 320 columns as a 3-D TMA box (a box is at most
+// 256 wide). The 96-column tiles in 2x4 clusters are its
 // M=256 kernel for a long K with N ~ 5120: each weight tile is read once
 // for both row tiles and each A tile once for four column tiles. The
 // variant probe (benchmarks/cuda/det_gemm_variants.py, entries 38-52) ran
@@ -176,6 +180,22 @@ using SwapCooperative256x192Cluster1x2 =
 // down (N=2048) 0.91-0.99x against at most 0.80x, llama3.1-8b down at
 // M=256 (N=4096) 1.00x. Its B tile is 96 wide, a 64-byte swizzle.
 using Cooperative128x96 = Tiles<128, 96, 2, 1, Cooperative>;
+
+// No cluster, for products of one wave with a long K at M=512: in a 2x1
+// cluster both CTAs read each B tile from one multicast load, so a stage
+// is refilled only when both are done with it. Timed the sweep's way (H100, interleaved rounds,
+// two machines, benchmarks/results/experiments/h100-2026-11-24): 64x320
+// ran mistral-nemo-12b's down (512x14336x5120) 7-13% faster than the 2x1
+// pair and its o 2-6%; 128x128 llama3.1-8b's down (512x14336x4096) 6-7%
+// faster.
+using Pingpong64x320 = Tiles<64, 320, 1, 1, Pingpong>;
+using Cooperative128x128Cluster1x1 = Tiles<128, 128, 1, 1, Cooperative>;
+// 128x320 in 32-deep K tiles: a 64-deep stage of this tile is 56 KB, so
+// only three fit beside the epilogue; at 28 KB, more stages keep TMA loads
+// ahead of the MMAs. 3-7% faster than 64-deep on 512x8192x10240 and
+// 1024 x 4096-14336 x 5120 (same probe); 64x320 ping-pong, with four
+// stages already, lost 1-16% the same way.
+using Cooperative128x320K32 = Tiles<128, 320, 2, 1, Cooperative, 32>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -369,6 +389,9 @@ RLK_CONFIG_OF(Pingpong128x96Cluster2x4)
 RLK_CONFIG_OF(Pingpong128x128Cluster1x2)
 RLK_CONFIG_OF(SwapCooperative256x192Cluster1x2)
 RLK_CONFIG_OF(Cooperative128x96)
+RLK_CONFIG_OF(Pingpong64x320)
+RLK_CONFIG_OF(Cooperative128x128Cluster1x1)
+RLK_CONFIG_OF(Cooperative128x320K32)
 #undef RLK_CONFIG_OF
 
 }  // namespace

@@ -79,7 +79,12 @@ enum class GemmConfig : int {
   // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 3072
   kSwapCooperative256x192Cluster1x2 = 22,
   kCooperative128x96 = 23,  // 2x1 cluster: one wave of N=3072 at M=512
-  kLastConfig = kCooperative128x96,
+  // No cluster: one wave of 64x320 (128x128) tiles at M=512 with a long K,
+  // where a 2x1 pair refills a stage only when both CTAs are done with it.
+  kPingpong64x320 = 24,
+  kCooperative128x128Cluster1x1 = 25,
+  kCooperative128x320K32 = 26,  // 32-deep K tiles: more, smaller stages
+  kLastConfig = kCooperative128x320K32,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -94,7 +99,9 @@ enum class GemmConfig : int {
   X(kPingpong64x128Cluster4x2) X(kPingpong64x64Cluster1x2)              \
   X(kCooperative128x320) X(kPingpong64x320Cluster2x1)                    \
   X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)            \
-  X(kSwapCooperative256x192Cluster1x2) X(kCooperative128x96)
+  X(kSwapCooperative256x192Cluster1x2) X(kCooperative128x96)            \
+  X(kPingpong64x320) X(kCooperative128x128Cluster1x1)                   \
+  X(kCooperative128x320K32)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
