@@ -1,8 +1,9 @@
 """CUDA C++ kernels behind XLA FFI custom calls: the SM90 (Hopper) det_gemm,
 pack's metadata and row gather, and linear_logp's row kernels.
 
-det_gemm: CUTLASS 3.x TMA warp-specialized GEMMs with a fixed 64-wide K tile
-walked in order, a persistent tile scheduler and no split-K: batch-invariant
+det_gemm: CUTLASS 3.x TMA warp-specialized GEMMs that walk K in order, one
+k16 MMA after another into one f32 accumulator, a persistent tile scheduler
+and no split-K: batch-invariant
 like every rlk det_gemm. pack: the PackInfo of a mask (tile counts, a tile
 scan, the fields) and the row gather every move is made of. Each also has a
 plain C entry that the torch bridge launches on torch's stream. This module

@@ -1,6 +1,7 @@
 """Which SM90 kernel config runs a det_gemm product, chosen by measurement.
 
-Every config walks K in the same 64-wide order into one f32 accumulator, and
+Every config walks K in the same order (k16 MMA after k16 MMA, whatever its
+K tile) into one f32 accumulator, and
 the device tests prove them bit-identical, so choosing one is a speed
 decision only: two processes may choose differently and still agree on
 every bit. The choice for a product (layout, output dtype, M bucket, N, K)

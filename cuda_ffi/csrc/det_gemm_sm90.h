@@ -43,9 +43,10 @@ struct GemmProblem {
   int64_t c_pitch = 0;
 };
 
-// Kernel instantiations. Every one walks K in order, one 64-wide K tile after
-// another, into a single f32 accumulator per output element (no split-K, no
-// stream-K), so they all round identically: which one runs changes the
+// Kernel instantiations. Every one walks K in order, one k16 MMA after
+// another (in K tiles of 64, or 32 for the _K32 config: how deep a pipeline
+// stage is), into a single f32 accumulator per output element (no split-K,
+// no stream-K), so they all round identically: which one runs changes the
 // speed, never the bits (proven per config by the device tests). The codes
 // are stable (cuda_ffi.CONFIGS names them; the tuning caches store names).
 enum class GemmConfig : int {
