@@ -6,7 +6,7 @@
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
 //   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
-// (n = 0..73, see Entry below), then
+// (n = 0..85, see Entry below), then
 //   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
@@ -104,6 +104,7 @@ struct ChainedMainloop : Built {
         issue(read.index(), false, 0, 1);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<1>();
+        cute::warpgroup_fence_operand(accum);
         pipeline.consumer_release(release);
         cute::warpgroup_arrive();
         issue(read.index(), false, 1, kChains);
@@ -217,7 +218,7 @@ RLK_ENTRY(36, "coop256x160_c2x1", false, Variant<256, 160, 2, 1, false>)
 RLK_ENTRY(37, "coop256x176_c2x1", false, Variant<256, 176, 2, 1, false>)
 // cuBLAS's nvjet tiles where rlk fell below 0.90x (H100, det_gemm_graph_tuner
 // 9cd4f50), in rlk's M x N (cuBLAS names the weight's columns first): 320
-// weight columns per CTA (2 x n160 MMAs per warpgroup; the TMA box splits
+// weight columns per CTA (5 x n64 MMAs per warpgroup; the TMA box splits
 // 320 rows into 8 x 40), and 96- and 160-wide tiles in large clusters.
 RLK_ENTRY(38, "coop128x320_c2x1", false, Variant<128, 320, 2, 1, false>)
 RLK_ENTRY(39, "coop128x320_c1x1", false, Variant<128, 320, 1, 1, false>)
@@ -254,8 +255,9 @@ RLK_ENTRY(55, "swap coop256x192_c1x2", false,
 // (H100, det_gemm_tuner_fidelity-a13bde9): nvjet 320x64 1x2 (nemo's down
 // and o), its 96x128 2x1 (llama3.2-3b's down, N=3072). Swapped, the
 // weight's 320 columns are five whole 64-row MMAs over 128-byte swizzle
-// atoms, where rlk's 64x320 splits them into two n160 MMAs that each
-// start or end mid-atom; 64x192 and 192x64 give N=3072 its 128 tiles.
+// atoms (rlk's 64x320 was then thought to use two n160 MMAs, each starting
+// or ending mid-atom; it uses five n64 ones too, see entry 74); 64x192 and
+// 192x64 give N=3072 its 128 tiles.
 RLK_ENTRY(56, "swap pp320x64_c1x2", false,
           Swapped<Variant<320, 64, 1, 2, true>>)
 RLK_ENTRY(57, "swap pp320x64_c1x1", false,
@@ -298,9 +300,9 @@ RLK_ENTRY(76, "coop128x320_c2x1 chained", false,
 RLK_ENTRY(77, "coop128x320_c2x1 chained early wait", false,
           Chained<2, Cooperative128x320>)
 RLK_ENTRY(78, "pp64x320_c2x1 (library)", false, Pingpong64x320Cluster2x1)
-// A 32-deep K tile: half the bytes per pipeline stage, so twice the stages
-// (8-9 of 24 KB for 64x320 where 64-deep tiles fit 4 of 48 KB) and a
-// buffer handed back to the producer after half the MMAs. The k16 MMAs
+// A 32-deep K tile: half the bytes per pipeline stage, so about twice as
+// many stages, and a buffer handed back to the producer after half the
+// MMAs. The k16 MMAs
 // still run in K order into one accumulator.
 RLK_ENTRY(79, "pp64x320_c2x1_k32", false, Variant<64, 320, 2, 1, true, false, 32>)
 RLK_ENTRY(80, "coop128x192_c2x1_k32", false,
@@ -308,8 +310,8 @@ RLK_ENTRY(80, "coop128x192_c2x1_k32", false,
 RLK_ENTRY(81, "coop128x320_c2x1_k32", false,
           Variant<128, 320, 2, 1, false, false, 32>)
 RLK_ENTRY(82, "pp64x320_c1x1", false, Variant<64, 320, 1, 1, true>)
-// No cluster on the one-wave M=512 products (pp64x320_c1x1 ran 5-9%
-// faster than the 2x1 pair on 512 x 4096-14336 x 5120).
+// No cluster on the one-wave M=512 products (pp64x320_c1x1 ran nemo's
+// down 7-13% and its o 2-6% faster than the 2x1 pair).
 RLK_ENTRY(83, "coop128x192_c1x1", false, Variant<128, 192, 1, 1, false>)
 RLK_ENTRY(84, "coop128x128_c1x1", false, Variant<128, 128, 1, 1, false>)
 RLK_ENTRY(85, "coop128x96_c1x1", false, Variant<128, 96, 1, 1, false>)

@@ -56,13 +56,21 @@ ORDERS = [(0, 0), (1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2),
 
 
 def _orders(setting: str) -> list[tuple[int, int]]:
-  """RLK_ORDERS: "1" for every order of ORDERS, or a list of
-  swizzle:raster pairs such as "0:0,1:1,1:2"; unset, the default order."""
+  """RLK_ORDERS: "1" for every order of ORDERS, a list of swizzle:raster
+  pairs such as "0:0,1:1,1:2", or unset / "0" for the default order."""
   if setting == "1":
     return ORDERS
-  if not setting:
+  if setting in ("", "0"):
     return [(0, 0)]
-  return [tuple(map(int, pair.split(":"))) for pair in setting.split(",")]
+  orders = []
+  for pair in setting.split(","):
+    swizzle, _, raster = pair.partition(":")
+    if not (swizzle.isdigit() and raster.isdigit()
+            and int(swizzle) in (0, 1, 2, 4, 8) and int(raster) in (0, 1, 2)):
+      raise SystemExit(f"RLK_ORDERS: {pair!r} is not swizzle:raster with "
+                       "swizzle 0/1/2/4/8 and raster 0/1/2")
+    orders.append((int(swizzle), int(raster)))
+  return orders
 
 
 class Variant:
@@ -209,7 +217,7 @@ def main(argv):
               and os.environ.get("RLK_NOPDL") == "1" else [True])
       for (swizzle, raster), pdl in itertools.product(orders, pdls):
         name = v.name + ("" if (swizzle, raster) == (0, 0)
-                         else f" s{swizzle}r{'MN'[raster - 1]}") + (
+                         else f" s{swizzle}r{'0MN'[raster]}") + (
                              "" if pdl else " nopdl")
         impls[name] = (lambda v, sw, ra, pdl: lambda a, b_, c: v(
             a, transposed[b_.data_ptr()] if v.transpose_b else b_, c, sw,

@@ -181,20 +181,22 @@ using SwapCooperative256x192Cluster1x2 =
 // M=256 (N=4096) 1.00x. Its B tile is 96 wide, a 64-byte swizzle.
 using Cooperative128x96 = Tiles<128, 96, 2, 1, Cooperative>;
 
-// No cluster, for products of one wave with a long K at M=512: in a 2x1
+// No cluster, for products of one wave with a long K at M=512. In a 2x1
 // cluster both CTAs read each B tile from one multicast load, so a stage
-// is refilled only when both are done with it. Timed the sweep's way (H100, interleaved rounds,
-// two machines, benchmarks/results/experiments/h100-2026-11-24): 64x320
-// ran mistral-nemo-12b's down (512x14336x5120) 7-13% faster than the 2x1
-// pair and its o 2-6%; 128x128 llama3.1-8b's down (512x14336x4096) 6-7%
-// faster.
+// is refilled only when both are done with it (the likely cost; not
+// profiled). Timed the sweep's way (H100, interleaved rounds,
+// benchmarks/results/experiments/h100-2026-11-24): 64x320 ran
+// mistral-nemo-12b's down (512x14336x5120) 7-13% faster than the 2x1 pair
+// and its o 2-6% (two machines); 128x128 ran llama3.1-8b's down
+// (512x14336x4096) 6-7% faster (one machine).
 using Pingpong64x320 = Tiles<64, 320, 1, 1, Pingpong>;
 using Cooperative128x128Cluster1x1 = Tiles<128, 128, 1, 1, Cooperative>;
 // 128x320 in 32-deep K tiles: a 64-deep stage of this tile is 56 KB, so
-// only three fit beside the epilogue; at 28 KB, more stages keep TMA loads
-// ahead of the MMAs. 3-7% faster than 64-deep on 512x8192x10240 and
-// 1024 x 4096-14336 x 5120 (same probe); 64x320 ping-pong, with four
-// stages already, lost 1-16% the same way.
+// only three fit beside the epilogue; at 28 KB more fit, which likely keeps
+// TMA loads further ahead of the MMAs (not profiled). 2-8% faster than
+// 64-deep on 512x8192x10240 and 1024 x 4096-14336 x 5120 (same probe, one
+// machine); 64x320 ping-pong, with four stages already, and 128x192 lost
+// up to 18% the same way.
 using Cooperative128x320K32 = Tiles<128, 320, 2, 1, Cooperative, 32>;
 
 // A config may name its epilogue subtile per output type

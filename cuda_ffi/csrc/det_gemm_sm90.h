@@ -80,8 +80,9 @@ enum class GemmConfig : int {
   // columns; 1x2 cluster (B^T's tile shared by two row tiles): M >= 3072
   kSwapCooperative256x192Cluster1x2 = 22,
   kCooperative128x96 = 23,  // 2x1 cluster: one wave of N=3072 at M=512
-  // No cluster: one wave of 64x320 (128x128) tiles at M=512 with a long K,
-  // where a 2x1 pair refills a stage only when both CTAs are done with it.
+  // No cluster: probed on M=512 products of one wave with a long K, where
+  // a 2x1 pair refills a multicast stage only when both CTAs are done with
+  // it; the H100 table also takes the 128x128 one at M 256-1024 elsewhere.
   kPingpong64x320 = 24,
   kCooperative128x128Cluster1x1 = 25,
   kCooperative128x320K32 = 26,  // 32-deep K tiles: more, smaller stages
