@@ -238,6 +238,17 @@ def timing_plan(x_shape, y_shape, flops: int, out_elems: int = 0
   return n_sets, max(1, round(sample_s / (call_s * n_sets)))
 
 
+def torch_operand_sets(torch, x_shape, y_shape, flops: int, out_elems: int,
+                       gen) -> tuple[list, int]:
+  """timing_plan's operand sets as bf16 torch tensors drawn from `gen`
+  (normal values), and its calls per sample."""
+  n_sets, iters = timing_plan(x_shape, y_shape, flops, out_elems)
+  sets = [(torch.randn(x_shape, device="cuda", generator=gen).bfloat16(),
+           torch.randn(y_shape, device="cuda", generator=gen).bfloat16())
+          for _ in range(n_sets)]
+  return sets, iters
+
+
 def run(smoke: bool) -> list[Row]:
   families = SMOKE_FAMILIES if smoke else FAMILIES
   if FAMILIES_FLAG.value:
@@ -582,11 +593,9 @@ def _refine_pick(case, layout, m, k, n, torch) -> None:
     return
   screen = entry["ms"]
   finalists = sorted(screen, key=screen.get)[:REFINE_PICKS.value]
-  n_sets, iters = timing_plan(x_shape, y_shape, 2 * m * n * k, pm * pn)
   gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.encode()))
-  sets = [(torch.randn(x_shape, device="cuda", generator=gen).bfloat16(),
-           torch.randn(y_shape, device="cuda", generator=gen).bfloat16())
-          for _ in range(n_sets)]
+  sets, iters = torch_operand_sets(torch, x_shape, y_shape, 2 * m * n * k,
+                                   pm * pn, gen)
   batches = {c: harness.torch_batch(_sm90.product_launcher(
       pm, pn, pk, ta, tb, torch.bfloat16, c), sets, graph=True)
              for c in finalists}

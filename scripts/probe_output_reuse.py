@@ -23,7 +23,7 @@ import torch
 import cuda_ffi
 import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
 from benchmarks import harness
-from benchmarks.bench_det_gemm_sweep import timing_plan
+from benchmarks.bench_det_gemm_sweep import torch_operand_sets
 from rlk_jax import _gemm_tuning
 from rlk_torch_bridge import _sm90
 
@@ -47,10 +47,8 @@ def probe(m, n, k, gen, bias):
       configs=_gemm_tuning.CANDIDATES)
   live = {c: t for c, t in screen.items() if t}
   configs = sorted(live, key=live.get)[:FINALISTS]
-  n_sets, iters = timing_plan((m, k), (k, n), 2 * m * n * k, m * n)
-  sets = [(torch.randn(m, k, device="cuda", generator=gen).bfloat16(),
-           torch.randn(k, n, device="cuda", generator=gen).bfloat16())
-          for _ in range(n_sets)]
+  sets, iters = torch_operand_sets(torch, (m, k), (k, n), 2 * m * n * k,
+                                   m * n, gen)
   fns = {c: _sm90.product_launcher(m, n, k, False, False, torch.bfloat16, c)
          for c in configs}
   outputs: list = []
@@ -69,7 +67,7 @@ def probe(m, n, k, gen, bias):
   ways["tuner_sustained"] = {c: t for c, t in hot.items() if c in configs}
   sweep = ways["sweep"]
   best = min(sweep, key=sweep.get)
-  line = [f"M={m} N={n} K={k} ({n_sets} sets): sweep's fastest {best} "
+  line = [f"M={m} N={n} K={k} ({len(sets)} sets): sweep's fastest {best} "
           f"{sweep[best] * 1e3:.1f} us"]
   losses = {}
   for way, t in ways.items():

@@ -26,13 +26,9 @@ gzip -c $work/sweep.log > "$OUT/sweep.log.gz"
 cp $work/sweep/results.csv $work/sweep/det_gemm_configs.csv $work/sweep/det_gemm_sm90-*.json "$OUT/" 2>/dev/null
 grep -c "sweep-timed pick" $work/sweep.log
 python3 - "$work/sweep/results.csv" <<'PY'
-import csv, sys, collections, statistics
-t = collections.defaultdict(dict)
-for r in csv.DictReader(open(sys.argv[1])):
-  if r["benchmark"] == "det_gemm_sweep" and r["median_ms"]:
-    t[r["case"]][r["implementation"]] = float(r["median_ms"])
-ratio = {c: d["cublas"] / d["rlk_cuda_ffi_kernel"] for c, d in t.items()
-         if "cublas" in d and "rlk_cuda_ffi_kernel" in d}
+import statistics, sys
+from benchmarks.sweep_records import ratios
+ratio = {c: x for c, (x, _) in ratios(sys.argv[1]).items()}
 print(f"geomean {statistics.geometric_mean(ratio.values()):.4f} over {len(ratio)}")
 for c, v in sorted(ratio.items(), key=lambda kv: kv[1])[:10]:
   print(f"  {v:.3f} {c}")

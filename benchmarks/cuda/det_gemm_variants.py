@@ -142,8 +142,9 @@ def gpu_state() -> str:
 def main(argv):
   """argv: directory [variant indices, comma-separated] [shapes]; with
   RLK_ORDERS=1 the first variant also runs under every tile order of
-  ORDERS (or the swizzle:raster pairs RLK_ORDERS lists); with RLK_NOPDL=1 every variant that can switch it also runs
-  without programmatic dependent launch."""
+  ORDERS (or the swizzle:raster pairs RLK_ORDERS lists); with RLK_NOPDL=1
+  every variant that can switch it also runs without programmatic
+  dependent launch."""
   directory = argv[1]
   only = set(map(int, argv[2].split(","))) if len(argv) > 2 else None
   shapes = argv[3].split(",") if len(argv) > 3 else list(SHAPES)
