@@ -43,7 +43,12 @@ def test_every_candidate_is_timed(m, n, k, ta, tb, f32):
   times = cuda_ffi.time_configs(m, n, k, transpose_a=ta, transpose_b=tb,
                                 out_f32=f32, configs=tuning.CANDIDATES)
   assert set(times) == set(tuning.CANDIDATES)
-  assert all(t is not None and 0 < t < 100 for t in times.values()), times
+  # A config the library refuses for this layout is passed over (None), not
+  # launched with a TMA descriptor the driver would not encode.
+  refused = {"pingpong_64x320"} if tb else set()
+  assert all(times[c] is None for c in refused), times
+  assert all(t is not None and 0 < t < 100 for c, t in times.items()
+             if c not in refused), times
   # a named config sized for a 16-row decode tile is slower than 128x256 on
   # a product of many tiles: the timer measures work, not launch noise
   if m >= 1024:
