@@ -76,6 +76,29 @@ FAMILIES = {
     "qwen3-30b-a3b-expert": dict(hidden=2048, qkv=5120, o_in=4096, inter=768,
                                  vocab=151936),
 }
+# Families no shipped table was built from (same sources, same reading of
+# the configs): what a user's model meets, a shape rlk has not measured,
+# tuned on first use within the tuner's limits, else the analytic rule.
+# Run them with --sweep_families and --sweep_as_user.
+HELD_OUT_FAMILIES = {
+    "phi3-mini": dict(hidden=3072, qkv=9216, o_in=3072, inter=8192,
+                      vocab=32064),
+    "phi3-medium": dict(hidden=5120, qkv=7680, o_in=5120, inter=17920,
+                        vocab=32064),
+    "qwen2.5-1.5b": dict(hidden=1536, qkv=2048, o_in=1536, inter=8960,
+                         vocab=151936),
+    "qwen2.5-14b": dict(hidden=5120, qkv=7168, o_in=5120, inter=13824,
+                        vocab=152064),
+    "gemma2-27b": dict(hidden=4608, qkv=8192, o_in=4096, inter=36864,
+                       vocab=256000),
+    "mixtral-8x22b-expert": dict(hidden=6144, qkv=8192, o_in=6144,
+                                 inter=16384, vocab=32768),
+    "olmo2-7b": dict(hidden=4096, qkv=12288, o_in=4096, inter=11008,
+                     vocab=100352),
+    # An MoE's expert width (moe_intermediate_size 1536).
+    "qwen3-235b-a22b-expert": dict(hidden=4096, qkv=9216, o_in=8192,
+                                   inter=1536, vocab=151936),
+}
 SMOKE_FAMILIES = {"tiny": dict(hidden=128, qkv=192, o_in=128, inter=256,
                                vocab=320)}
 SWEEP_MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -92,7 +115,14 @@ IMPLS = ("cublas", "xla_dot", "rlk_cuda_ffi_kernel", "rlk_cuda_ffi",
 
 FAMILIES_FLAG = flags.DEFINE_list("sweep_families", None,
                                   f"Families to run (default all: "
-                                  f"{', '.join(FAMILIES)}).")
+                                  f"{', '.join(FAMILIES)}; also "
+                                  f"{', '.join(HELD_OUT_FAMILIES)}).")
+AS_USER = flags.DEFINE_bool(
+    "sweep_as_user", False, "Keep the autotuner's limits a user gets "
+    "(RLK_DET_GEMM_TUNE_MAX_MB, RLK_DET_GEMM_TUNE_MAX_TFLOP) instead of "
+    "tuning every product however large, as a table-building run does: "
+    "with the held-out families, what a user's first step on a model rlk "
+    "has not measured runs.")
 MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
                             f"{', '.join(map(str, SWEEP_MS))}).")
 IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
@@ -252,7 +282,12 @@ def torch_operand_sets(torch, x_shape, y_shape, flops: int, out_elems: int,
 def run(smoke: bool) -> list[Row]:
   families = SMOKE_FAMILIES if smoke else FAMILIES
   if FAMILIES_FLAG.value:
-    families = {f: FAMILIES[f] for f in FAMILIES_FLAG.value}
+    known = {**FAMILIES, **HELD_OUT_FAMILIES}
+    unknown = sorted(set(FAMILIES_FLAG.value) - set(known))
+    if unknown:
+      raise ValueError(f"unknown --sweep_families {unknown}; known: "
+                       f"{sorted(known)}")
+    families = {f: known[f] for f in FAMILIES_FLAG.value}
   ms = ([int(m) for m in MS_FLAG.value] if MS_FLAG.value
         else [16, 48] if smoke else list(SWEEP_MS))
   impls = IMPLS_FLAG.value or IMPLS
@@ -269,8 +304,9 @@ def run(smoke: bool) -> list[Row]:
   # The sweep is where rlk's tables come from: tune every product, however
   # large (a user's process tunes only up to RLK_DET_GEMM_TUNE_MAX_MB and
   # RLK_DET_GEMM_TUNE_MAX_TFLOP).
-  os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_MB", "65536")
-  os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1e6")
+  if not AS_USER.value:
+    os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_MB", "65536")
+    os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1e6")
   if RETUNE.value:
     os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
   rows, skipped = [], 0
