@@ -50,7 +50,9 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "swap_cooperative_256x192_cluster_1x2": 22,
            "cooperative_128x96": 23, "pingpong_64x320": 24,
            "cooperative_128x128_cluster_1x1": 25,
-           "cooperative_128x320_k32": 26}
+           "cooperative_128x320_k32": 26,
+           "cooperative_128x192_cluster_1x2": 27,
+           "cooperative_128x96_cluster_1x2": 28}
 # The persistent scheduler's tile order (0: the library's choice).
 SWIZZLES = (0, 1, 2, 4, 8)
 RASTERS = (0, 1, 2)  # along M, along N

@@ -63,7 +63,8 @@ CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
               "pingpong_128x96_cluster_2x4", "pingpong_128x128_cluster_1x2",
               "swap_cooperative_256x192_cluster_1x2", "cooperative_128x96",
               "pingpong_64x320", "cooperative_128x128_cluster_1x1",
-              "cooperative_128x320_k32")
+              "cooperative_128x320_k32", "cooperative_128x192_cluster_1x2",
+              "cooperative_128x96_cluster_1x2")
 # Configs the library has but the autotuner does not time yet: compiled, not
 # yet proven bit-identical on a device. They join CANDIDATES (at the end of
 # the tie order) once the device tests have run them.

@@ -198,6 +198,16 @@ using Cooperative128x128Cluster1x1 = Tiles<128, 128, 1, 1, Cooperative>;
 // machine); 64x320 ping-pong, with four stages already, and 128x192 lost
 // up to 18% the same way.
 using Cooperative128x320K32 = Tiles<128, 320, 2, 1, Cooperative, 32>;
+// 128x192 and 128x96 with A multicast along N instead of B along M. A 2x1
+// cluster pairs row tiles, so an odd count of them gets a row of idle
+// CTAs: at M=384 three row tiles of 128x192 take four rows, 152 CTAs for
+// 114 tiles, two waves on 132 SMs, where cuBLAS ran these products in one
+// wave of 128x192 tiles paired along N (H100, held-out families at M 384-
+// 3000, det_gemm_held_out-90118d9: qwen2.5-14b and mixtral-8x22b qkv at
+// M=384 0.74-0.75x cuBLAS with 128x256 tiles; dA products of N 1536-4096
+// at 0.78-0.86x where cuBLAS took 128x96 tiles paired along N).
+using Cooperative128x192Cluster1x2 = Tiles<128, 192, 1, 2, Cooperative>;
+using Cooperative128x96Cluster1x2 = Tiles<128, 96, 1, 2, Cooperative>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -394,6 +404,8 @@ RLK_CONFIG_OF(Cooperative128x96)
 RLK_CONFIG_OF(Pingpong64x320)
 RLK_CONFIG_OF(Cooperative128x128Cluster1x1)
 RLK_CONFIG_OF(Cooperative128x320K32)
+RLK_CONFIG_OF(Cooperative128x192Cluster1x2)
+RLK_CONFIG_OF(Cooperative128x96Cluster1x2)
 #undef RLK_CONFIG_OF
 
 }  // namespace

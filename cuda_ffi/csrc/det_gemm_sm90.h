@@ -86,7 +86,11 @@ enum class GemmConfig : int {
   kPingpong64x320 = 24,
   kCooperative128x128Cluster1x1 = 25,
   kCooperative128x320K32 = 26,  // 32-deep K tiles: more, smaller stages
-  kLastConfig = kCooperative128x320K32,
+  // 1x2 clusters (A shared by two column tiles): an odd number of row
+  // tiles (M=384, say) pads to no extra row of CTAs.
+  kCooperative128x192Cluster1x2 = 27,
+  kCooperative128x96Cluster1x2 = 28,
+  kLastConfig = kCooperative128x96Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -103,7 +107,8 @@ enum class GemmConfig : int {
   X(kPingpong128x96Cluster2x4) X(kPingpong128x128Cluster1x2)            \
   X(kSwapCooperative256x192Cluster1x2) X(kCooperative128x96)            \
   X(kPingpong64x320) X(kCooperative128x128Cluster1x1)                   \
-  X(kCooperative128x320K32)
+  X(kCooperative128x320K32) X(kCooperative128x192Cluster1x2)            \
+  X(kCooperative128x96Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
