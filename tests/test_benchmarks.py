@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from benchmarks import bench_invariance, harness
 from benchmarks.harness import Row
@@ -226,3 +227,22 @@ def test_tuning_cost_runs_on_an_empty_cache_with_a_users_defaults(
   assert os.environ["RLK_DET_GEMM_TUNE_MAX_TFLOP"] == "1e6"
   assert os.environ["RLK_CACHE_DIR"] == str(tmp_path)
   assert "RLK_DET_GEMM_TUNED_TABLES" not in os.environ
+
+
+def test_sweep_runs_a_held_out_family_with_a_users_tuning_limits(monkeypatch):
+  from absl.testing import flagsaver
+  sweep = _sweep_with_flags()
+  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_TFLOP", raising=False)
+  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_MB", raising=False)
+  one_product = dict(sweep_projections=["o"], sweep_ms=["16"],
+                     sweep_layouts=["fwd"], sweep_impls=["xla_dot"],
+                     sweep_as_user=True)
+  with flagsaver.flagsaver(sweep_families=["qwen2.5-1.5b"], **one_product):
+    rows = sweep.run(smoke=True)
+  assert [r.case for r in rows] == ["qwen2.5-1.5b o M=16 K=1536 N=1536 fwd"]
+  assert rows[0].median_ms > 0
+  # a user's defaults: the table-building run's lifted limits are not set
+  assert "RLK_DET_GEMM_TUNE_MAX_TFLOP" not in os.environ
+  with flagsaver.flagsaver(sweep_families=["no-such-model"], **one_product):
+    with pytest.raises(ValueError, match="unknown --sweep_families"):
+      sweep.run(smoke=True)
