@@ -154,7 +154,7 @@ def _kept_objects(commands, nvcc: str, cutlass: pathlib.Path,
   (whichever it includes), its flags with the machine's paths left out,
   nvcc, CUTLASS and, where it includes them, jaxlib's FFI headers. A change
   to one source recompiles only its objects (the API's host code, not the
-  170 kernel objects), and objects of other sources, flags or tools are
+  kernel objects), and objects of other sources, flags or tools are
   never reused."""
   headers = b"".join(p.name.encode() + p.read_bytes()
                      for p in sorted(CSRC.glob("*.h")))

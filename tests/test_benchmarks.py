@@ -232,8 +232,9 @@ def test_tuning_cost_runs_on_an_empty_cache_with_a_users_defaults(
 def test_sweep_runs_a_held_out_family_with_a_users_tuning_limits(monkeypatch):
   from absl.testing import flagsaver
   sweep = _sweep_with_flags()
-  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_TFLOP", raising=False)
-  monkeypatch.delenv("RLK_DET_GEMM_TUNE_MAX_MB", raising=False)
+  for var in ("RLK_DET_GEMM_TUNE_MAX_TFLOP", "RLK_DET_GEMM_TUNE_MAX_MB"):
+    monkeypatch.setenv(var, "0")  # so that monkeypatch restores it after
+    monkeypatch.delenv(var)
   one_product = dict(sweep_projections=["o"], sweep_ms=["16"],
                      sweep_layouts=["fwd"], sweep_impls=["xla_dot"],
                      sweep_as_user=True)

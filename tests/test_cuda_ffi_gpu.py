@@ -27,9 +27,6 @@ PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                "down": (14336, 4096), "lm_head": (4096, 128256)}
 ROWS = (1, 2, 3, 16, 100, 128, 1000)
 CONFIGS = [c for c in cuda_ffi.CONFIGS if c != "auto"]
-# Configs the library refuses for a B stored [N, K]: their TMA box of B
-# would pass 256 rows (det_gemm_api.cc, LaunchOne).
-REFUSE_B_NK = ("pingpong_64x320",)
 
 
 def product(config, ta=False, tb=False, out=jnp.bfloat16, swizzle=0, raster=0):
@@ -195,7 +192,7 @@ def test_every_layout_and_output_matches_pallas(ta, tb, out, rng):
   b = random_array(rng, (n, k) if tb else (k, n), jnp.bfloat16)
   want = _det_gemm._matmul("pallas", ta, tb, jnp.dtype(out), a, b)
   for config in CONFIGS:
-    if tb and config in REFUSE_B_NK:  # refused with the reason, not run
+    if tb and config in cuda_ffi.B_NK_REFUSED:  # refused with the reason
       with pytest.raises(ValueError, match="TMA box would be 320 rows"):
         product(config, ta, tb, out)(a, b)
       times = cuda_ffi.time_configs(  # the autotuner passes over it
@@ -208,7 +205,7 @@ def test_every_layout_and_output_matches_pallas(ta, tb, out, rng):
   a64 = np.asarray(a, np.float64)
   b64 = np.asarray(b, np.float64)
   ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
-  err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+  err = np.linalg.norm(np.asarray(want, np.float64) - ref) / np.linalg.norm(ref)
   assert err < (1e-5 if out == jnp.float32 else 1e-2), err
 
 
@@ -379,7 +376,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
   timed = len(cuda_ffi.CONFIGS) if tool == "memcheck" else 4
   done = subprocess.run(
       [sanitizer, f"--tool={tool}", "--error-exitcode=1", sys.executable,
-       str(script), str(timed), ",".join(REFUSE_B_NK)],
+       str(script), str(timed), ",".join(cuda_ffi.B_NK_REFUSED)],
       capture_output=True, text=True, timeout=540,
       env={**os.environ, "RLK_CUDA_FFI_AUTOBUILD": "0"})
   log = done.stdout + done.stderr

@@ -201,11 +201,11 @@ using Cooperative128x320K32 = Tiles<128, 320, 2, 1, Cooperative, 32>;
 // 128x192 and 128x96 with A multicast along N instead of B along M. A 2x1
 // cluster pairs row tiles, so an odd count of them gets a row of idle
 // CTAs: at M=384 three row tiles of 128x192 take four rows, 152 CTAs for
-// 114 tiles, two waves on 132 SMs, where cuBLAS ran these products in one
-// wave of 128x192 tiles paired along N (H100, held-out families at M 384-
-// 3000, det_gemm_held_out-90118d9: qwen2.5-14b and mixtral-8x22b qkv at
-// M=384 0.74-0.75x cuBLAS with 128x256 tiles; dA products of N 1536-4096
-// at 0.78-0.86x where cuBLAS took 128x96 tiles paired along N).
+// 114 tiles at N=7168, two waves on 132 SMs. On model families no table
+// was built from, as a user's first step (H100, det_gemm_held_out-90118d9),
+// the 12 products whose tuning took one of these ran 0.885x cuBLAS where
+// they had run 0.806x: qwen2.5-14b and phi3-medium qkv at M=384 (128x256
+// tiles before) 0.74-0.76x -> 0.95x.
 using Cooperative128x192Cluster1x2 = Tiles<128, 192, 1, 2, Cooperative>;
 using Cooperative128x96Cluster1x2 = Tiles<128, 96, 1, 2, Cooperative>;
 
