@@ -2,6 +2,7 @@
 unavailable, rlk_jax never picks it, and its sources compile for sm_90a."""
 
 import pathlib
+import re
 import subprocess
 
 import jax.numpy as jnp
@@ -50,6 +51,35 @@ def test_unknown_config_or_tile_order_is_refused_before_any_launch(kwargs):
   with pytest.raises(ValueError, match="unknown config="):
     cuda_ffi.matmul(x, x, transpose_a=False, transpose_b=False,
                     out_dtype=jnp.bfloat16, **kwargs)
+
+
+def test_every_config_whose_tma_box_would_pass_256_rows_is_refused():
+  """A TMA box holds at most 256 rows, and where the driver refuses one
+  CUTLASS only prints that and launches with a descriptor it never wrote
+  (f919d6d: the autotuner's timing of a new backward product never
+  returned). The operand stored K-contiguous is loaded in boxes of the
+  tile's rows along M or N, split between the CTAs of a cluster that
+  multicasts it (B over the cluster's row tiles, A over its column tiles);
+  an operand stored M- or N-contiguous goes in 64-wide boxes. So a config
+  is refused for a B stored [N, K] exactly when its tile's N over its
+  cluster's M passes 256 (for a swapped config, in CUTLASS's own M x N:
+  its A is our B, its B our A, both K-contiguous in some layout)."""
+  for name in cuda_ffi.CONFIGS:
+    tile = re.search(r"_(\d+)x(\d+)", name)
+    if tile is None:  # "auto", the split: other configs' kernels
+      continue
+    cluster = re.search(r"cluster_(\d)x(\d)", name)
+    bm, bn = map(int, tile.groups())
+    # The names' convention: without a cluster in its name a cooperative
+    # config pairs row tiles (2x1), a ping-pong one has no cluster.
+    default = (2, 1) if "cooperative" in name else (1, 1)
+    cm, cn = map(int, cluster.groups()) if cluster else default
+    if name.startswith("swap_"):  # CUTLASS's A is our B, its B our A
+      b_rows, a_rows = bm // cn, bn // cm
+    else:
+      b_rows, a_rows = bn // cm, bm // cn
+    assert a_rows <= 256, name  # A stored [M, K] is every forward's
+    assert (b_rows > 256) == (name in cuda_ffi.B_NK_REFUSED), (name, b_rows)
 
 
 def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
