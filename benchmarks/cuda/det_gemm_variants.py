@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+import cuda_ffi
 from benchmarks import harness  # run with the repository root on PYTHONPATH
 from benchmarks.bench_det_gemm_sweep import timing_plan
 
@@ -66,9 +67,11 @@ def _orders(setting: str) -> list[tuple[int, int]]:
   for pair in setting.split(","):
     swizzle, _, raster = pair.partition(":")
     if not (swizzle.isdigit() and raster.isdigit()
-            and int(swizzle) in (0, 1, 2, 4, 8) and int(raster) in (0, 1, 2)):
+            and int(swizzle) in cuda_ffi.SWIZZLES
+            and int(raster) in cuda_ffi.RASTERS):
       raise SystemExit(f"RLK_ORDERS: {pair!r} is not swizzle:raster with "
-                       "swizzle 0/1/2/4/8 and raster 0/1/2")
+                       f"swizzle in {cuda_ffi.SWIZZLES} and raster in "
+                       f"{cuda_ffi.RASTERS}")
     orders.append((int(swizzle), int(raster)))
   return orders
 
