@@ -77,10 +77,12 @@ def test_rows_do_not_depend_on_the_batch(config, rng):
   m, n, k = 150, 70, 192
   _, _, a, b = operands(rng, m, n, k, False, False, torch.bfloat16)
   full = run(a, b, m, n, False, False, config, torch.bfloat16)
-  for rows in (1, 7, 33, 100):
-    part = run(a[:rows].contiguous(), b, rows, n, False, False, config,
-               torch.bfloat16)
-    assert torch.equal(part.view(torch.int16), full[:rows].view(torch.int16))
+  # Offsets move each row to another place in its tile.
+  for start, rows in ((0, 1), (5, 7), (13, 33), (0, 100), (37, 113)):
+    part = run(a[start:start + rows].contiguous(), b, rows, n, False, False,
+               config, torch.bfloat16)
+    assert torch.equal(part.view(torch.int16),
+                       full[start:start + rows].view(torch.int16))
 
 
 def test_zero_padding_k_changes_no_bit(rng):

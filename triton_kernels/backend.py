@@ -13,7 +13,8 @@ except ImportError as e:  # noqa: F841 - reported by unavailable_reason
   triton = tl = None
   IMPORT_ERROR = f"triton is not installed ({e})"
 
-__all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason", "jax_triton"]
+__all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason", "jax_triton",
+           "interpreted"]
 
 
 def jax_triton():
@@ -30,6 +31,13 @@ def jax_triton():
   else:
     os.environ["TRITON_CACHE_DIR"] = before
   return module
+
+
+def interpreted() -> bool:
+  """Whether torch launches run in Triton's interpreter (the CPU tests): the
+  kernels' ``INTERPRETED`` switch, which replaces what the interpreter
+  cannot do the GPU's way."""
+  return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def unavailable_reason(platform: str) -> str | None:

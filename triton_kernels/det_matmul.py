@@ -16,9 +16,7 @@ check the arithmetic).
 
 from __future__ import annotations
 
-import os
-
-from triton_kernels.backend import jax_triton, triton, tl
+from triton_kernels.backend import interpreted, jax_triton, triton, tl
 
 __all__ = ["matmul", "matmul_torch", "strides", "tile_product"]
 
@@ -35,19 +33,27 @@ def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
 if triton is not None:
 
   @triton.jit
-  def _step(a, b, acc, INTERPRETED_BF16: tl.constexpr):
-    if INTERPRETED_BF16:
-      # Triton 3.6's interpreter multiplies bf16 bit patterns as uint16
-      # integers; bf16 -> f32 is exact, so f32 operands give the products.
+  def _step(a, b, acc, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+      # Triton's interpreter (CPU tests) has two stand-ins for the MMA:
+      # tl.dot multiplies bf16 bit patterns as uint16 integers (triton
+      # 3.6), and it is numpy's BLAS, whose bits for a row depend on the
+      # row's place in the tile (OpenBLAS's edge micro-kernels sum in
+      # another order). Widened operands (exact from bf16/f16) and a
+      # broadcast product summed over K give every output element one
+      # order of its own: a row's bits depend on nothing else, as the
+      # tensor cores' do.
       a = a.to(tl.float32)
       b = b.to(tl.float32)
-    # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
-    return tl.dot(a, b, acc, input_precision="ieee")
+      return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+      # ieee: f32 operands are not rounded to TF32 (2-byte ones are exact).
+      return tl.dot(a, b, acc, input_precision="ieee")
 
   @triton.jit
   def tile_product(a_ptr, b_ptr, rm, rn, K, stride_am, stride_ak, stride_bk,
                    stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+                   BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """The f32 ``[BLOCK_M, BLOCK_N]`` product of rows `rm` and columns `rn`
     (64-bit offsets, every one in range: callers wrap a tile's overhang
     onto real rows and columns, whose results they never store): all of K
@@ -61,14 +67,14 @@ if triton is not None:
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     for _ in range(0, k_full, BLOCK_K):
-      acc = _step(tl.load(a_ptrs), tl.load(b_ptrs), acc, INTERPRETED_BF16)
+      acc = _step(tl.load(a_ptrs), tl.load(b_ptrs), acc, INTERPRETED)
       a_ptrs += BLOCK_K * stride_ak
       b_ptrs += BLOCK_K * stride_bk
     if k_full < K:
       kk = k_full + rk
       acc = _step(tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0),
                   tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0), acc,
-                  INTERPRETED_BF16)
+                  INTERPRETED)
     return acc
 
   @triton.jit
@@ -77,7 +83,7 @@ if triton is not None:
                          stride_cm, stride_cn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         INTERPRETED_BF16: tl.constexpr = False):
+                         INTERPRETED: tl.constexpr = False):
     # Grouped tile order: only L2 reuse depends on it, never a bit.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -97,7 +103,7 @@ if triton is not None:
     # (never stored): no row or column masks on the loads.
     acc = tile_product(a_ptr, b_ptr, rm % M, rn % N, K, stride_am,
                        stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
-                       BLOCK_K, INTERPRETED_BF16)
+                       BLOCK_K, INTERPRETED)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c,
              mask=row_in & col_in)
@@ -144,12 +150,9 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config):
 def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config):
   """Writes ``op(a) @ op(b)`` into `out` (torch tensors; a and b contiguous
   in their stored layout, out ``[M, N]`` contiguous). m, n, k > 0."""
-  import torch
   m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
-  interpreted_bf16 = (os.environ.get("TRITON_INTERPRET") == "1"
-                      and a.dtype == torch.bfloat16)
   _det_matmul_kernel[_grid(m, n, config)](
       a, b, out, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
       num_warps=config.num_warps, num_stages=config.num_stages,
-      INTERPRETED_BF16=interpreted_bf16, **_meta(config))
+      INTERPRETED=interpreted(), **_meta(config))
   return out

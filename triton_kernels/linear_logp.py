@@ -13,8 +13,8 @@ exp and log are libdevice's ``__nv_expf``/``__nv_logf``, the calls Pallas's
 Triton lowering emits for ``jnp.exp``/``jnp.log`` (``tl.exp`` would lower to
 ``ex2.approx``: other bits). Triton's interpreter has no libdevice, so an
 ``INTERPRETED`` switch (set only there) uses ``tl.exp``/``tl.log`` and
-widens bf16 before ``tl.dot`` (``tile_product``); the CPU tests check
-arithmetic, the device tests bits.
+computes the tile product as a broadcast sum (``tile_product`` says why);
+the CPU tests check arithmetic, the device tests bits.
 
 Launchers: ``linear_logp`` / ``update_stats`` (JAX arrays, jax-triton; the
 sizes are compile-time constants, ``det_matmul.matmul`` says why) and
@@ -24,9 +24,8 @@ launcher, or its interpreter on CPU).
 
 from __future__ import annotations
 
-import os
 
-from triton_kernels.backend import jax_triton, triton, tl
+from triton_kernels.backend import interpreted, jax_triton, triton, tl
 from triton_kernels.det_matmul import tile_product
 
 __all__ = ["linear_logp", "update_stats", "linear_logp_torch",
@@ -130,10 +129,6 @@ if triton is not None:
     tl.store(w_out + rm, weighted, mask=row_in)
 
 
-def _interpreted() -> bool:
-  return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _grid(n, config):
   return (triton.cdiv(n, config.block_m),)
 
@@ -182,7 +177,7 @@ def linear_logp_torch(hidden, weight, targets, logp, lse, entropy, *,
       hidden, weight, targets, logp, lse, entropy, n, h, v,
       TEMPERATURE=float(temperature), BLOCK_M=config.block_m,
       BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-      INTERPRETED=_interpreted(), num_warps=config.num_warps,
+      INTERPRETED=interpreted(), num_warps=config.num_warps,
       num_stages=config.num_stages)
   return logp, lse, entropy
 
@@ -194,6 +189,6 @@ def update_stats_torch(logits, targets, stats, *, temperature: float, config):
   _stats_kernel[_grid(n, config)](
       logits, targets, *stats, *stats, n, c, TEMPERATURE=float(temperature),
       BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-      INTERPRETED=_interpreted(), num_warps=config.num_warps,
+      INTERPRETED=interpreted(), num_warps=config.num_warps,
       num_stages=config.num_stages)
   return stats
