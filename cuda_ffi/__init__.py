@@ -52,7 +52,10 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "cooperative_128x128_cluster_1x1": 25,
            "cooperative_128x320_k32": 26,
            "cooperative_128x192_cluster_1x2": 27,
-           "cooperative_128x96_cluster_1x2": 28}
+           "cooperative_128x96_cluster_1x2": 28,
+           "cooperative_128x144": 29, "cooperative_128x160": 30,
+           "cooperative_128x224": 31, "cooperative_128x80": 32,
+           "cooperative_128x144_cluster_1x2": 33}
 # Configs the library refuses for a B stored [N, K] (transpose_b): their TMA
 # box of B would pass 256 rows (det_gemm_api.cc, LaunchOne says why). The
 # autotuner's timer passes over them in that layout.

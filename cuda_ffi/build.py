@@ -46,9 +46,22 @@ def kernel_configs() -> dict[str, int]:
   variant, so adding a config to the header is all it takes."""
   text = KERNEL_HEADER.read_text()
   codes = dict(re.findall(r"^\s*(k\w+) = (\d+),", text, re.M))
-  macro = re.search(r"#define RLK_KERNEL_CONFIGS\(X\)(.*?)\n\n", text, re.S)
-  names = re.findall(r"X\((k\w+)\)", macro.group(1))
+  # RLK_KERNEL_CONFIGS ends with RLK_EXTENDED_MMA_CONFIGS(X).
+  names = (_x_list(text, "RLK_KERNEL_CONFIGS")
+           + _x_list(text, "RLK_EXTENDED_MMA_CONFIGS"))
   return {name: int(codes[name]) for name in names}
+
+
+def extended_mma_configs() -> set[str]:
+  """The configs compiled with CUTLASS's extended GMMA atoms
+  (RLK_EXTENDED_MMA_CONFIGS; det_gemm_kernels.cu says why only they)."""
+  return set(_x_list(KERNEL_HEADER.read_text(), "RLK_EXTENDED_MMA_CONFIGS"))
+
+
+def _x_list(text: str, macro: str) -> list[str]:
+  """The names an X-macro of det_gemm_sm90.h lists."""
+  body = re.search(rf"#define {macro}\(X\)(.*?)\n\n", text, re.S).group(1)
+  return re.findall(r"X\((k\w+)\)", body)
 
 
 NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
@@ -199,15 +212,18 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
               "-isystem", str(cutlass / "tools" / "util" / "include")]
   commands = []
   configs = kernel_configs() if configs is None else configs
+  extended = extended_mma_configs()
   # One object per (variant, config): ~40 s each, so the build spreads over
   # every core instead of waiting on eight long ones.
   for ta, tb, f32 in variants:
     for name, code in configs.items():
       obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o"
-      commands.append([nvcc, *NVCC_FLAGS, *includes, f"-DRLK_TA={ta}",
-                       f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}",
-                       f"-DRLK_CONFIG={code}", "-c", str(KERNEL_SOURCE), "-o",
-                       str(obj)])
+      atoms = (["-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"]
+               if name in extended else [])
+      commands.append([nvcc, *NVCC_FLAGS, *includes, *atoms,
+                       f"-DRLK_TA={ta}", f"-DRLK_TB={tb}",
+                       f"-DRLK_OUT_F32={f32}", f"-DRLK_CONFIG={code}", "-c",
+                       str(KERNEL_SOURCE), "-o", str(obj)])
   kernels, pack_api = PACK_SOURCES
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(kernels),
                    "-o", str(out_dir / "pack_rows_kernels.o")])

@@ -82,6 +82,30 @@ def test_every_config_whose_tma_box_would_pass_256_rows_is_refused():
     assert (b_rows > 256) == (name in cuda_ffi.B_NK_REFUSED), (name, b_rows)
 
 
+def test_only_configs_of_an_extended_gmma_width_compile_with_those_atoms(
+    tmp_path):
+  """CUTLASS issues one GMMA per k16 step as wide as the tile's N only for
+  8, 16, 32, 64, 96, 128, 192 and 256, unless
+  CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined; defined for every
+  object it would also change the 320-wide tiles' atoms (the kernels the
+  tuned tables measured). So the build defines it exactly for the configs
+  whose tile N is another width up to 256, read here from the names."""
+  standard = {8, 16, 32, 64, 96, 128, 192, 256}
+  want = set()
+  for name, code in cuda_ffi.CONFIGS.items():
+    tile = re.search(r"_(\d+)x(\d+)", name)
+    if tile and int(tile.group(2)) <= 256 and int(tile.group(2)) not in standard:
+      want.add(code)
+  assert want  # the 144/160/224/80 configs
+  commands = build._compile_commands("nvcc", tmp_path, tmp_path, tmp_path)
+  flagged = set()
+  for cmd in commands:
+    code = [a for a in cmd if a.startswith("-DRLK_CONFIG=")]
+    if "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in cmd:
+      flagged.add(int(code[0].split("=")[1]))
+  assert flagged == want
+
+
 def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
   monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)  # no prebuilt library
   monkeypatch.setenv("PATH", str(tmp_path))
@@ -102,14 +126,17 @@ def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
 def test_sources_compile_for_sm90a():
   # Both values of every template switch (operand layouts, output dtype),
   # both schedules, cluster shapes along both modes (ping-pong in a cluster
-  # too), the swapped tile, the custom epilogue subtile, and the tile wider
-  # than one TMA box (320 columns) in 32-deep K tiles: 7 of the 204 objects
-  # (about 40 s of nvcc each, so CI stays short). `python -m cuda_ffi.build --check`
-  # compiles all; every device run builds all.
+  # too), the swapped tile, the custom epilogue subtile, the tile wider
+  # than one TMA box (320 columns) in 32-deep K tiles, and an extended GMMA
+  # width (144) whose B tile multicast to two CTAs is split on a 32-byte
+  # swizzle: 8 of the 256 kernel objects (about 40 s of nvcc each, so CI
+  # stays short). `python -m cuda_ffi.build --check` compiles all; every
+  # device run builds all.
   build.check(jobs=2, variants=[(0, 0, 0)],
               configs=["kCooperative128x256", "kCooperative128x320K32",
                        "kPingpong64x128Cluster4x2", "kSwapPingpong64x32",
-                       "kCooperative128x256Cluster1x2"], log=lambda *_: None)
+                       "kCooperative128x256Cluster1x2",
+                       "kCooperative128x144"], log=lambda *_: None)
   build.check(jobs=2, variants=[(1, 1, 1)],
               configs=["kSwapPingpong64x32", "kCooperative128x256Cluster1x2"],
               log=lambda *_: None)

@@ -208,6 +208,14 @@ using Cooperative128x320K32 = Tiles<128, 320, 2, 1, Cooperative, 32>;
 // tiles before) 0.74-0.76x -> 0.95x.
 using Cooperative128x192Cluster1x2 = Tiles<128, 192, 1, 2, Cooperative>;
 using Cooperative128x96Cluster1x2 = Tiles<128, 96, 1, 2, Cooperative>;
+// Widths of one extended GMMA atom (RLK_EXTENDED_MMA_CONFIGS): each makes
+// about one wave of 128-row tiles of a common N at M 384-1024, where the
+// widths above leave a partial wave or a quarter of the SMs idle.
+using Cooperative128x144 = Tiles<128, 144, 2, 1, Cooperative>;
+using Cooperative128x160 = Tiles<128, 160, 2, 1, Cooperative>;
+using Cooperative128x224 = Tiles<128, 224, 2, 1, Cooperative>;
+using Cooperative128x80 = Tiles<128, 80, 2, 1, Cooperative>;
+using Cooperative128x144Cluster1x2 = Tiles<128, 144, 1, 2, Cooperative>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -406,7 +414,35 @@ RLK_CONFIG_OF(Cooperative128x128Cluster1x1)
 RLK_CONFIG_OF(Cooperative128x320K32)
 RLK_CONFIG_OF(Cooperative128x192Cluster1x2)
 RLK_CONFIG_OF(Cooperative128x96Cluster1x2)
+RLK_CONFIG_OF(Cooperative128x144)
+RLK_CONFIG_OF(Cooperative128x160)
+RLK_CONFIG_OF(Cooperative128x224)
+RLK_CONFIG_OF(Cooperative128x80)
+RLK_CONFIG_OF(Cooperative128x144Cluster1x2)
 #undef RLK_CONFIG_OF
+
+// CUTLASS covers a tile N with the widest of its standard GMMA atoms that
+// divides it (N = 160: five 32-wide MMAs per k16 step, each reading the
+// A tile from shared memory again) unless CUTE_SM90_EXTENDED_MMA_SHAPES_
+// ENABLED lets one atom be the whole N. The build defines it for the
+// objects of RLK_EXTENDED_MMA_CONFIGS only: in every other config it would
+// change the atoms (a 320-wide tile: two 160-wide instead of five 64-wide),
+// so the kernels the tuned tables were measured on. Atoms of any width
+// issue the same k16 products in K order into each output element's
+// accumulator: the bits do not move (device-tested per config).
+constexpr bool StandardGmmaWidth(int n) {
+  return n == 8 || n == 16 || n == 32 || n == 64 || n == 96 || n == 128 ||
+         n == 192 || n == 256;
+}
+template <class Config>
+constexpr bool CompiledWithItsAtoms() {
+  constexpr int n = cute::size<1>(typename Config::Tile{});
+#if defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+  return n <= 256 && !StandardGmmaWidth(n);
+#else
+  return n > 256 || StandardGmmaWidth(n);
+#endif
+}
 
 }  // namespace
 
@@ -414,6 +450,10 @@ template <bool kTransposeA, bool kTransposeB, bool kOutF32, GemmConfig kConfig>
 LaunchStatus LaunchGemmConfig(const GemmProblem& problem,
                               size_t* workspace_needed) {
   using Config = typename ConfigOf<kConfig>::type;
+  static_assert(CompiledWithItsAtoms<Config>(),
+                "a config of an extended GMMA width is compiled with "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, every other without "
+                "(RLK_EXTENDED_MMA_CONFIGS in det_gemm_sm90.h)");
   return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Config>>(
       problem, workspace_needed);
 }

@@ -90,7 +90,17 @@ enum class GemmConfig : int {
   // tiles (M=384, say) pads to no extra row of CTAs.
   kCooperative128x192Cluster1x2 = 27,
   kCooperative128x96Cluster1x2 = 28,
-  kLastConfig = kCooperative128x96Cluster1x2,
+  // Tile widths that only CUTLASS's extended GMMA atoms cover in one
+  // instruction (RLK_EXTENDED_MMA_CONFIGS below), each a one-wave tiling of
+  // a common N at M 384-1024: 144 and 80 are the widths cuBLAS ran where
+  // the library's tiles fell below 0.90x (held-out families' dA); 160 makes
+  // 128 tiles of N=5120 at M=512, 224 of N=3584 at M=1024.
+  kCooperative128x144 = 29,  // 2x1 cluster
+  kCooperative128x160 = 30,  // 2x1 cluster
+  kCooperative128x224 = 31,  // 2x1 cluster
+  kCooperative128x80 = 32,   // 2x1 cluster
+  kCooperative128x144Cluster1x2 = 33,  // odd row-tile counts (M=384)
+  kLastConfig = kCooperative128x144Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -108,7 +118,17 @@ enum class GemmConfig : int {
   X(kSwapCooperative256x192Cluster1x2) X(kCooperative128x96)            \
   X(kPingpong64x320) X(kCooperative128x128Cluster1x1)                   \
   X(kCooperative128x320K32) X(kCooperative128x192Cluster1x2)            \
-  X(kCooperative128x96Cluster1x2)
+  X(kCooperative128x96Cluster1x2) RLK_EXTENDED_MMA_CONFIGS(X)
+
+// The configs whose tile N takes one of CUTLASS's extended GMMA atoms
+// (64 x N x 16 for an N of 8-256 other than 8, 16, 32, 64, 96, 128, 192
+// and 256, which CUTLASS otherwise covers with narrower atoms, 32-wide for
+// 160 and 224, 16-wide for 144, 80). cuda_ffi/build.py
+// compiles their objects, and only theirs, with
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (det_gemm_kernels.cu says why).
+#define RLK_EXTENDED_MMA_CONFIGS(X)                                       \
+  X(kCooperative128x144) X(kCooperative128x160) X(kCooperative128x224)   \
+  X(kCooperative128x80) X(kCooperative128x144Cluster1x2)
 
 // Deterministic, from the shape and the SM count only, so JAX and torch
 // callers of one problem always pick the same instantiation.
