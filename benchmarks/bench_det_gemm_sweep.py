@@ -123,6 +123,12 @@ AS_USER = flags.DEFINE_bool(
     "tuning every product however large, as a table-building run does: "
     "with the held-out families, what a user's first step on a model rlk "
     "has not measured runs.")
+EXTRA_CANDIDATES = flags.DEFINE_list(
+    "sweep_extra_candidates", None, "SM90 configs the autotuner times in "
+    "this run besides its candidates (last in its tie order): configs the "
+    "library has compiled but not yet made candidates "
+    "(_gemm_tuning.NOT_YET_DEVICE_TESTED), measured in the device call "
+    "whose tests have just proven them bit-identical, before they ship.")
 MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
                             f"{', '.join(map(str, SWEEP_MS))}).")
 IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
@@ -279,6 +285,18 @@ def torch_operand_sets(torch, x_shape, y_shape, flops: int, out_elems: int,
   return sets, iters
 
 
+def _add_candidates(names) -> None:
+  """Appends `names` to the autotuner's candidates for this process."""
+  import cuda_ffi
+  from rlk_jax import _gemm_tuning
+  unknown = sorted(set(names) - set(cuda_ffi.CONFIGS) - {"auto"})
+  if unknown:
+    raise ValueError(f"unknown --sweep_extra_candidates {unknown}; the "
+                     f"library's configs: {sorted(cuda_ffi.CONFIGS)}")
+  _gemm_tuning.CANDIDATES += tuple(
+      n for n in names if n not in _gemm_tuning.CANDIDATES)
+
+
 def run(smoke: bool) -> list[Row]:
   families = SMOKE_FAMILIES if smoke else FAMILIES
   if FAMILIES_FLAG.value:
@@ -309,6 +327,8 @@ def run(smoke: bool) -> list[Row]:
     os.environ.setdefault("RLK_DET_GEMM_TUNE_MAX_TFLOP", "1e6")
   if RETUNE.value:
     os.environ["RLK_DET_GEMM_TUNED_TABLES"] = "0"
+  if EXTRA_CANDIDATES.value:
+    _add_candidates(EXTRA_CANDIDATES.value)
   rows, skipped = [], 0
   deadline = time.monotonic() + (BUDGET_S.value or float("inf"))
   for family, dims in families.items():
