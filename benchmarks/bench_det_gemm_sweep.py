@@ -128,7 +128,10 @@ EXTRA_CANDIDATES = flags.DEFINE_list(
     "this run besides its candidates (last in its tie order): configs the "
     "library has compiled but not yet made candidates "
     "(_gemm_tuning.NOT_YET_DEVICE_TESTED), measured in the device call "
-    "whose tests have just proven them bit-identical, before they ship.")
+    "whose tests have just proven them bit-identical, before they ship. "
+    "Products already in the tuning cache of this device and build are "
+    "not timed again, and what the tuner keeps goes into that cache: run "
+    "with a fresh RLK_CACHE_DIR (scripts/sweep_fwd.sh makes one).")
 MS_FLAG = flags.DEFINE_list("sweep_ms", None, "Token counts M (default "
                             f"{', '.join(map(str, SWEEP_MS))}).")
 IMPLS_FLAG = flags.DEFINE_list("sweep_impls", None, "Competitors (default "
@@ -289,7 +292,7 @@ def _add_candidates(names) -> None:
   """Appends `names` to the autotuner's candidates for this process."""
   import cuda_ffi
   from rlk_jax import _gemm_tuning
-  unknown = sorted(set(names) - set(cuda_ffi.CONFIGS) - {"auto"})
+  unknown = sorted(set(names) - (set(cuda_ffi.CONFIGS) - {"auto"}))
   if unknown:
     raise ValueError(f"unknown --sweep_extra_candidates {unknown}; the "
                      f"library's configs: {sorted(cuda_ffi.CONFIGS)}")

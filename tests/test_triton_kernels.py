@@ -76,13 +76,14 @@ def test_accurate_in_every_layout(dtype, transpose_a, transpose_b, m, n, k,
 def test_rows_do_not_depend_on_the_batch(config, rng):
   m, n, k = 150, 70, 192
   _, _, a, b = operands(rng, m, n, k, False, False, torch.bfloat16)
-  full = run(a, b, m, n, False, False, config, torch.bfloat16)
-  # Offsets move each row to another place in its tile.
-  for start, rows in ((0, 1), (5, 7), (13, 33), (0, 100), (37, 113)):
-    part = run(a[start:start + rows].contiguous(), b, rows, n, False, False,
-               config, torch.bfloat16)
-    assert torch.equal(part.view(torch.int16),
-                       full[start:start + rows].view(torch.int16))
+  # Offsets move each row to another place in its tile. f32 out too: a
+  # bf16 result rounds most one-ulp differences of the sums away.
+  for out, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+    full = run(a, b, m, n, False, False, config, out)
+    for start, rows in ((0, 1), (5, 7), (13, 33), (0, 100), (37, 113)):
+      part = run(a[start:start + rows].contiguous(), b, rows, n, False,
+                 False, config, out)
+      assert torch.equal(part.view(bits), full[start:start + rows].view(bits))
 
 
 def test_zero_padding_k_changes_no_bit(rng):

@@ -38,8 +38,8 @@ if triton is not None:
       # Triton's interpreter (CPU tests) has two stand-ins for the MMA:
       # tl.dot multiplies bf16 bit patterns as uint16 integers (triton
       # 3.6), and it is numpy's BLAS, whose bits for a row depend on the
-      # row's place in the tile (OpenBLAS's edge micro-kernels sum in
-      # another order). Widened operands (exact from bf16/f16) and a
+      # row's place in the tile (OpenBLAS sums rows in blocks of a few, each
+      # place of a block in its own order). Widened operands (exact from bf16/f16) and a
       # broadcast product summed over K give every output element one
       # order of its own: a row's bits depend on nothing else, as the
       # tensor cores' do.

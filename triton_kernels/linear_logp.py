@@ -24,7 +24,6 @@ launcher, or its interpreter on CPU).
 
 from __future__ import annotations
 
-
 from triton_kernels.backend import interpreted, jax_triton, triton, tl
 from triton_kernels.det_matmul import tile_product
 

@@ -243,6 +243,29 @@ template <class Config>
 struct SwapABOf<Config, std::void_t<decltype(Config::kSwapAB)>>
     : std::bool_constant<Config::kSwapAB> {};
 
+// CUTLASS covers a tile N with the widest of its standard GMMA atoms that
+// divides it (N = 160: five 32-wide MMAs per k16 step, each reading the
+// A tile from shared memory again) unless CUTE_SM90_EXTENDED_MMA_SHAPES_
+// ENABLED lets one atom be the whole N. The build defines it for the
+// objects of RLK_EXTENDED_MMA_CONFIGS only: in every other config it would
+// change the atoms (a 320-wide tile: two 160-wide instead of five 64-wide),
+// so the kernels the tuned tables were measured on. Atoms of any width
+// issue the same k16 products in K order into each output element's
+// accumulator: the bits do not move (device-tested per config).
+constexpr bool StandardGmmaWidth(int n) {
+  return n == 8 || n == 16 || n == 32 || n == 64 || n == 96 || n == 128 ||
+         n == 192 || n == 256;
+}
+template <class Config>
+constexpr bool CompiledWithItsAtoms() {
+  constexpr int n = cute::size<1>(typename Config::Tile{});
+#if defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+  return n <= 256 && !StandardGmmaWidth(n);
+#else
+  return n > 256 || StandardGmmaWidth(n);
+#endif
+}
+
 // Row-major storage in our terms, as CUTLASS layout tags: A [M, K] is
 // K-major (RowMajor), A stored [K, M] is M-major (ColumnMajor); CUTLASS reads
 // B as K x N, so B [K, N] is RowMajor and B stored [N, K] is ColumnMajor.
@@ -251,6 +274,10 @@ struct SwapABOf<Config, std::void_t<decltype(Config::kSwapAB)>>
 // C^T, so our row-major C is a column-major D.
 template <bool kTransposeA, bool kTransposeB, bool kOutF32, class Config>
 struct Gemm {
+  static_assert(CompiledWithItsAtoms<Config>(),
+                "a config of an extended GMMA width is compiled with "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, every other without "
+                "(RLK_EXTENDED_MMA_CONFIGS in det_gemm_sm90.h)");
   static constexpr bool kSwapAB = SwapABOf<Config>::value;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
@@ -421,28 +448,6 @@ RLK_CONFIG_OF(Cooperative128x80)
 RLK_CONFIG_OF(Cooperative128x144Cluster1x2)
 #undef RLK_CONFIG_OF
 
-// CUTLASS covers a tile N with the widest of its standard GMMA atoms that
-// divides it (N = 160: five 32-wide MMAs per k16 step, each reading the
-// A tile from shared memory again) unless CUTE_SM90_EXTENDED_MMA_SHAPES_
-// ENABLED lets one atom be the whole N. The build defines it for the
-// objects of RLK_EXTENDED_MMA_CONFIGS only: in every other config it would
-// change the atoms (a 320-wide tile: two 160-wide instead of five 64-wide),
-// so the kernels the tuned tables were measured on. Atoms of any width
-// issue the same k16 products in K order into each output element's
-// accumulator: the bits do not move (device-tested per config).
-constexpr bool StandardGmmaWidth(int n) {
-  return n == 8 || n == 16 || n == 32 || n == 64 || n == 96 || n == 128 ||
-         n == 192 || n == 256;
-}
-template <class Config>
-constexpr bool CompiledWithItsAtoms() {
-  constexpr int n = cute::size<1>(typename Config::Tile{});
-#if defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
-  return n <= 256 && !StandardGmmaWidth(n);
-#else
-  return n > 256 || StandardGmmaWidth(n);
-#endif
-}
 
 }  // namespace
 
@@ -450,10 +455,6 @@ template <bool kTransposeA, bool kTransposeB, bool kOutF32, GemmConfig kConfig>
 LaunchStatus LaunchGemmConfig(const GemmProblem& problem,
                               size_t* workspace_needed) {
   using Config = typename ConfigOf<kConfig>::type;
-  static_assert(CompiledWithItsAtoms<Config>(),
-                "a config of an extended GMMA width is compiled with "
-                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, every other without "
-                "(RLK_EXTENDED_MMA_CONFIGS in det_gemm_sm90.h)");
   return Run<Gemm<kTransposeA, kTransposeB, kOutF32, Config>>(
       problem, workspace_needed);
 }
