@@ -272,3 +272,41 @@ def test_sweep_extra_candidates_join_the_tuner_last_in_order(monkeypatch):
     with flagsaver.flagsaver(sweep_extra_candidates=bad, **one_product):
       with pytest.raises(ValueError, match="unknown --sweep_extra_candidates"):
         sweep.run(smoke=True)
+
+
+def test_merge_tuned_table_replaces_only_the_runs_keys(tmp_path):
+  import importlib.util
+  import json
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(repo, "scripts", "merge_tuned_table.py")
+  shipped = {"device": "NVIDIA H100 80GB HBM3", "commit": "old",
+             "date": "2026-11-23", "source": "the sweep",
+             "entries": {"000 512 5120 4096": "cooperative_128x192",
+                         "000 512 4608 3584": "cooperative_128x96",
+                         "001 512 5120 4096": "pingpong_128x128"}}
+  run = {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
+         "date": "2026-11-25", "source": "x",
+         "entries": {"000 512 5120 4096": "cooperative_128x160",
+                     "000 512 4608 3584": "cooperative_128x96",
+                     "000 384 5120 4096": "cooperative_128x144"}}
+  table = tmp_path / "det_gemm_sm90-nvidia-h100-80gb-hbm3.json"
+  table.write_text(json.dumps(shipped))
+  (tmp_path / "run.json").write_text(json.dumps(run))
+  done = subprocess.run(
+      [sys.executable, script, str(tmp_path / "run.json"), "--record",
+       "results/r", "--note", "M=512 retuned", "--table_dir", str(tmp_path)],
+      capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  assert "1 entries added, 1 changed, 4 in all" in done.stdout
+  merged = json.loads(table.read_text())
+  assert merged["entries"] == {**shipped["entries"], **run["entries"]}
+  assert merged["entries"]["001 512 5120 4096"] == "pingpong_128x128"
+  assert (merged["commit"], merged["date"]) == ("abc1234", "2026-11-25")
+  assert merged["source"] == "the sweep; M=512 retuned (results/r)"
+  # A run of another device is refused before anything is written.
+  spec = importlib.util.spec_from_file_location("merge_tuned_table", script)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  with pytest.raises(ValueError, match="NVIDIA H200"):
+    module.merge({**run, "device": "NVIDIA H200"}, shipped, record="r",
+                 note="n")
