@@ -70,7 +70,9 @@ CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
 # the tie order) once the device tests have run them.
 NOT_YET_DEVICE_TESTED = ("cooperative_128x144", "cooperative_128x160",
                          "cooperative_128x224", "cooperative_128x80",
-                         "cooperative_128x144_cluster_1x2")
+                         "cooperative_128x144_cluster_1x2",
+                         "pingpong_192x128_cluster_2x1",
+                         "pingpong_192x96_cluster_2x1")
 # Within 1% of the fastest counts as a tie (run-to-run noise on the H100 is
 # about that).
 TIE = 0.01

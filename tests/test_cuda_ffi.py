@@ -129,7 +129,8 @@ def test_sources_compile_for_sm90a():
   # too), the swapped tile, the custom epilogue subtile, the tile wider
   # than one TMA box (320 columns) in 32-deep K tiles, and an extended GMMA
   # width (144) whose B tile multicast to two CTAs is split on a 32-byte
-  # swizzle: 8 of the 256 kernel objects (about 40 s of nvcc each, so CI
+  # swizzle, and a 192-row ping-pong tile (three MMA atoms per warpgroup):
+  # 9 of the 272 kernel objects (about 40 s of nvcc each, so CI
   # stays short). `python -m cuda_ffi.build --check` compiles all; every
   # device run builds all.
   build.check(jobs=2, variants=[(0, 0, 0)],
@@ -138,7 +139,8 @@ def test_sources_compile_for_sm90a():
                        "kCooperative128x256Cluster1x2",
                        "kCooperative128x144"], log=lambda *_: None)
   build.check(jobs=2, variants=[(1, 1, 1)],
-              configs=["kSwapPingpong64x32", "kCooperative128x256Cluster1x2"],
+              configs=["kSwapPingpong64x32", "kCooperative128x256Cluster1x2",
+                       "kPingpong192x128Cluster2x1"],
               log=lambda *_: None)
 
 

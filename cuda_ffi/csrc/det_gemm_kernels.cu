@@ -216,6 +216,14 @@ using Cooperative128x160 = Tiles<128, 160, 2, 1, Cooperative>;
 using Cooperative128x224 = Tiles<128, 224, 2, 1, Cooperative>;
 using Cooperative128x80 = Tiles<128, 80, 2, 1, Cooperative>;
 using Cooperative128x144Cluster1x2 = Tiles<128, 144, 1, 2, Cooperative>;
+// 192-row tiles: CUTLASS's cooperative kernel splits a tile's rows between
+// exactly two warpgroups in 64-row atoms, so 192 rows take the ping-pong
+// schedule, one warpgroup issuing three 64-row MMAs per k16 step (each
+// output element still one accumulator, K in order). 1.5 x N accumulator
+// registers per thread: 192 at N=128, as Cooperative256x192's warpgroups
+// hold. At M=384 the 2x1 cluster pairs the two row tiles exactly.
+using Pingpong192x128Cluster2x1 = Tiles<192, 128, 2, 1, Pingpong>;
+using Pingpong192x96Cluster2x1 = Tiles<192, 96, 2, 1, Pingpong>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -446,6 +454,8 @@ RLK_CONFIG_OF(Cooperative128x160)
 RLK_CONFIG_OF(Cooperative128x224)
 RLK_CONFIG_OF(Cooperative128x80)
 RLK_CONFIG_OF(Cooperative128x144Cluster1x2)
+RLK_CONFIG_OF(Pingpong192x128Cluster2x1)
+RLK_CONFIG_OF(Pingpong192x96Cluster2x1)
 #undef RLK_CONFIG_OF
 
 
