@@ -57,7 +57,8 @@ CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
            "cooperative_128x224": 31, "cooperative_128x80": 32,
            "cooperative_128x144_cluster_1x2": 33,
            "pingpong_192x128_cluster_2x1": 34,
-           "pingpong_192x96_cluster_2x1": 35}
+           "pingpong_192x96_cluster_2x1": 35,
+           "swap_cooperative_128x192_cluster_1x2": 36}
 # Configs the library refuses for a B stored [N, K] (transpose_b): their TMA
 # box of B would pass 256 rows (det_gemm_api.cc, LaunchOne says why). The
 # autotuner's timer passes over them in that layout.

@@ -49,8 +49,8 @@ import threading
 
 _log = logging.getLogger("rlk.det_gemm_tuning")
 
-# Every one-kernel config and the two-kernel split, in the tie-break order:
-# the configs the analytic rule has long used first.
+# Every device-tested one-kernel config and the two-kernel split, in the
+# tie-break order: the configs the analytic rule has long used first.
 CANDIDATES = ("cooperative_128x256", "cooperative_256x192",
               "split_256x192_128x256", "pingpong_128x128",
               "cooperative_128x128", "cooperative_256x128",
@@ -72,7 +72,8 @@ NOT_YET_DEVICE_TESTED = ("cooperative_128x144", "cooperative_128x160",
                          "cooperative_128x224", "cooperative_128x80",
                          "cooperative_128x144_cluster_1x2",
                          "pingpong_192x128_cluster_2x1",
-                         "pingpong_192x96_cluster_2x1")
+                         "pingpong_192x96_cluster_2x1",
+                         "swap_cooperative_128x192_cluster_1x2")
 # Within 1% of the fastest counts as a tie (run-to-run noise on the H100 is
 # about that).
 TIE = 0.01

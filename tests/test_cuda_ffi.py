@@ -130,7 +130,7 @@ def test_sources_compile_for_sm90a():
   # than one TMA box (320 columns) in 32-deep K tiles, and an extended GMMA
   # width (144) whose B tile multicast to two CTAs is split on a 32-byte
   # swizzle, and a 192-row ping-pong tile (three MMA atoms per warpgroup):
-  # 9 of the 272 kernel objects (about 40 s of nvcc each, so CI
+  # 9 of the 280 kernel objects (about 40 s of nvcc each, so CI
   # stays short). `python -m cuda_ffi.build --check` compiles all; every
   # device run builds all.
   build.check(jobs=2, variants=[(0, 0, 0)],

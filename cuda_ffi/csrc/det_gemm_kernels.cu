@@ -216,14 +216,22 @@ using Cooperative128x160 = Tiles<128, 160, 2, 1, Cooperative>;
 using Cooperative128x224 = Tiles<128, 224, 2, 1, Cooperative>;
 using Cooperative128x80 = Tiles<128, 80, 2, 1, Cooperative>;
 using Cooperative128x144Cluster1x2 = Tiles<128, 144, 1, 2, Cooperative>;
-// 192-row tiles: CUTLASS's cooperative kernel splits a tile's rows between
-// exactly two warpgroups in 64-row atoms, so 192 rows take the ping-pong
-// schedule, one warpgroup issuing three 64-row MMAs per k16 step (each
-// output element still one accumulator, K in order). 1.5 x N accumulator
-// registers per thread: 192 at N=128, as Cooperative256x192's warpgroups
-// hold. At M=384 the 2x1 cluster pairs the two row tiles exactly.
+// 192-row tiles for M=384, where 128-row tiles make three rows of tiles and
+// cuBLAS runs cooperative 192-row ones (nvjet 128x192 coopB, its M our N).
+// CUTLASS's cooperative kernel splits our rows between its two warpgroups
+// in 64-row atoms, which 192 rows are not two of. Two ways round it:
+// - ping-pong, one warpgroup issuing three 64-row MMAs per k16 step; 1.5 x
+//   N accumulator registers per thread (192 at N=128, as
+//   Cooperative256x192's warpgroups hold); at 128 tiles on 132 SMs each CTA
+//   has one tile, so its second warpgroup idles;
+// - swapped (C^T = B^T A^T), cooperative: each warpgroup takes 64 weight
+//   columns x 192 rows in one 64x192 MMA, both on the same tile.
+// Each output element is still one accumulator, K in order. The clusters
+// pair the two row tiles of M=384, sharing the weight tile.
 using Pingpong192x128Cluster2x1 = Tiles<192, 128, 2, 1, Pingpong>;
 using Pingpong192x96Cluster2x1 = Tiles<192, 96, 2, 1, Pingpong>;
+using SwapCooperative128x192Cluster1x2 =
+    Swapped<Tiles<128, 192, 1, 2, Cooperative>>;
 
 // A config may name its epilogue subtile per output type
 // (EpilogueTile<ElementD>); CUTLASS picks one otherwise. The epilogue only
@@ -456,6 +464,7 @@ RLK_CONFIG_OF(Cooperative128x80)
 RLK_CONFIG_OF(Cooperative128x144Cluster1x2)
 RLK_CONFIG_OF(Pingpong192x128Cluster2x1)
 RLK_CONFIG_OF(Pingpong192x96Cluster2x1)
+RLK_CONFIG_OF(SwapCooperative128x192Cluster1x2)
 #undef RLK_CONFIG_OF
 
 

@@ -100,12 +100,16 @@ enum class GemmConfig : int {
   kCooperative128x224 = 31,  // 2x1 cluster
   kCooperative128x80 = 32,   // 2x1 cluster
   kCooperative128x144Cluster1x2 = 33,  // odd row-tile counts (M=384)
-  // 192-row tiles (three 64-row MMA atoms per warpgroup), B multicast to
-  // both row tiles of M=384: 128 tiles of N=8192 (x128) or N=6144 (x96),
-  // where 128-row tiles make three rows (cuBLAS runs 192-row tiles there).
+  // 192-row tiles, B shared by both row tiles of M=384: 128 tiles of
+  // N=8192 (x128) or N=6144 (x96), where 128-row tiles make three rows
+  // (cuBLAS runs cooperative 192-row tiles there). Ping-pong: one
+  // warpgroup, three 64-row MMAs per k16 step.
   kPingpong192x128Cluster2x1 = 34,
   kPingpong192x96Cluster2x1 = 35,
-  kLastConfig = kPingpong192x96Cluster2x1,
+  // The same 192x128 tile cooperative, swapped (C^T = B^T A^T): each
+  // warpgroup 64 weight columns x 192 rows in one 64x192 MMA.
+  kSwapCooperative128x192Cluster1x2 = 36,
+  kLastConfig = kSwapCooperative128x192Cluster1x2,
 };
 
 // Every config that is one kernel (all but kAuto and the split), for the
@@ -124,7 +128,8 @@ enum class GemmConfig : int {
   X(kPingpong64x320) X(kCooperative128x128Cluster1x1)                   \
   X(kCooperative128x320K32) X(kCooperative128x192Cluster1x2)            \
   X(kCooperative128x96Cluster1x2) X(kPingpong192x128Cluster2x1)          \
-  X(kPingpong192x96Cluster2x1) RLK_EXTENDED_MMA_CONFIGS(X)
+  X(kPingpong192x96Cluster2x1) X(kSwapCooperative128x192Cluster1x2)       \
+  RLK_EXTENDED_MMA_CONFIGS(X)
 
 // The configs whose tile N takes one of CUTLASS's extended GMMA atoms
 // (64 x N x 16 for an N of 8-256 other than 8, 16, 32, 64, 96, 128, 192
