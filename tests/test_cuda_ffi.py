@@ -53,6 +53,13 @@ def test_unknown_config_or_tile_order_is_refused_before_any_launch(kwargs):
                     out_dtype=jnp.bfloat16, **kwargs)
 
 
+def _tile(name: str) -> tuple[int, int] | None:
+  """A config's tile (M, N) as its name gives it; None for "auto" and the
+  split (other configs' kernels)."""
+  tile = re.search(r"_(\d+)x(\d+)", name)
+  return tuple(map(int, tile.groups())) if tile else None
+
+
 def test_every_config_whose_tma_box_would_pass_256_rows_is_refused():
   """A TMA box holds at most 256 rows, and where the driver refuses one
   CUTLASS only prints that and launches with a descriptor it never wrote
@@ -65,11 +72,10 @@ def test_every_config_whose_tma_box_would_pass_256_rows_is_refused():
   cluster's M passes 256 (for a swapped config, in CUTLASS's own M x N:
   its A is our B, its B our A, both K-contiguous in some layout)."""
   for name in cuda_ffi.CONFIGS:
-    tile = re.search(r"_(\d+)x(\d+)", name)
-    if tile is None:  # "auto", the split: other configs' kernels
+    if _tile(name) is None:
       continue
     cluster = re.search(r"cluster_(\d)x(\d)", name)
-    bm, bn = map(int, tile.groups())
+    bm, bn = _tile(name)
     # The names' convention: without a cluster in its name a cooperative
     # config pairs row tiles (2x1), a ping-pong one has no cluster.
     default = (2, 1) if "cooperative" in name else (1, 1)
@@ -93,8 +99,8 @@ def test_only_configs_of_an_extended_gmma_width_compile_with_those_atoms(
   standard = {8, 16, 32, 64, 96, 128, 192, 256}
   want = set()
   for name, code in cuda_ffi.CONFIGS.items():
-    tile = re.search(r"_(\d+)x(\d+)", name)
-    if tile and int(tile.group(2)) <= 256 and int(tile.group(2)) not in standard:
+    n = (_tile(name) or (0, 8))[1]
+    if n <= 256 and n not in standard:
       want.add(code)
   assert want  # the 144/160/224/80 configs
   commands = build._compile_commands("nvcc", tmp_path, tmp_path, tmp_path)
