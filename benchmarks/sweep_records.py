@@ -39,3 +39,15 @@ def below(r, floor: float = 0.90, min_m: int = 256):
   """[(ratio, case, config)] of the products at M >= min_m under floor."""
   return sorted((x, c, cfg) for c, (x, cfg) in r.items()
                 if x < floor and m_of(c) >= min_m)
+
+
+def same_config_ratios(current, paths) -> dict[str, list[float]]:
+  """{case: every ratio the runs at `paths` measured for it with the config
+  it has in `current`} (a ratios() dict): one product's measurements across
+  runs and machines, for a median that a single run's noise cannot move."""
+  out = collections.defaultdict(list)
+  for path in paths:
+    for c, (x, config) in ratios(path).items():
+      if c in current and config == current[c][1]:
+        out[c].append(x)
+  return out
