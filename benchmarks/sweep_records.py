@@ -50,4 +50,4 @@ def same_config_ratios(current, paths) -> dict[str, list[float]]:
     for c, (x, config) in ratios(path).items():
       if c in current and config == current[c][1]:
         out[c].append(x)
-  return out
+  return dict(out)

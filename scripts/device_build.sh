@@ -4,7 +4,7 @@
 # returns the library and every object under $OUT, so a later call carries
 # them instead of compiling.
 #
-#   device run (carry .whl, build/keyed):  bash scripts/device_build.sh [seconds]
+#   device run (carry .whl, build/keyed.tgz):  bash scripts/device_build.sh [seconds]
 #
 # The 280 kernel objects take 30 MB, and a call carries 64 MiB in all with
 # the tracked tree: carry them packed instead (tar czf build/keyed.tgz -C

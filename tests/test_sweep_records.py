@@ -26,20 +26,31 @@ def _write_run(path, rows):
 
 A = "fam o M=512 K=4096 N=5120 fwd"
 B = "fam qkv M=128 K=4096 N=6144 fwd"
+C = "fam down M=512 K=14336 N=4096 fwd"
 
 
-def test_ratios_below_and_same_config_medians(tmp_path):
+def test_ratios_and_below(tmp_path):
+  run = _write_run(tmp_path / "1.csv", [(A, 0.8, 1.0, "x160"),
+                                        (B, 0.5, 1.0, "x96"),
+                                        (C, 0.95, 1.0, "x128")])
+  r = sweep_records.ratios(run)
+  assert r == {A: (pytest.approx(0.8), "x160"), B: (pytest.approx(0.5), "x96"),
+               C: (pytest.approx(0.95), "x128")}
+  assert sweep_records.m_of(A) == 512
+  # B is below the floor too, but at M=128, under min_m; C is above it.
+  assert [c for _, c, _ in sweep_records.below(r, 0.9, 256)] == [A]
+  assert [c for _, c, _ in sweep_records.below(r, 0.9, 128)] == [B, A]
+
+
+def test_same_config_ratios_keep_only_the_current_config(tmp_path):
   first = _write_run(tmp_path / "1.csv", [(A, 0.8, 1.0, "x160"),
                                           (B, 1.2, 1.0, "x96")])
   second = _write_run(tmp_path / "2.csv", [(A, 1.0, 1.0, "x160"),
                                            (B, 0.5, 1.0, "x96")])
-  other = _write_run(tmp_path / "3.csv", [(A, 0.1, 1.0, "x192")])
-  r = sweep_records.ratios(first)
-  assert r == {A: (pytest.approx(0.8), "x160"), B: (pytest.approx(1.2), "x96")}
-  assert sweep_records.m_of(A) == 512
-  # B is below the floor but under min_m, so only A counts.
-  assert [c for _, c, _ in sweep_records.below(r, 0.9, 256)] == [A]
-  runs = sweep_records.same_config_ratios(r, [first, second, other])
-  # The run on another config (x192) is not one of A's measurements.
-  assert runs[A] == [pytest.approx(0.8), pytest.approx(1.0)]
-  assert runs[B] == [pytest.approx(1.2), pytest.approx(0.5)]
+  # A on another config, and a product the current run does not have.
+  other = _write_run(tmp_path / "3.csv", [(A, 0.1, 1.0, "x192"),
+                                          (C, 0.7, 1.0, "x128")])
+  current = sweep_records.ratios(first)
+  runs = sweep_records.same_config_ratios(current, [first, second, other])
+  assert runs == {A: [pytest.approx(0.8), pytest.approx(1.0)],
+                  B: [pytest.approx(1.2), pytest.approx(0.5)]}
