@@ -72,10 +72,11 @@ def test_every_config_whose_tma_box_would_pass_256_rows_is_refused():
   cluster's M passes 256 (for a swapped config, in CUTLASS's own M x N:
   its A is our B, its B our A, both K-contiguous in some layout)."""
   for name in cuda_ffi.CONFIGS:
-    if _tile(name) is None:
+    tile = _tile(name)
+    if tile is None:
       continue
     cluster = re.search(r"cluster_(\d)x(\d)", name)
-    bm, bn = _tile(name)
+    bm, bn = tile
     # The names' convention: without a cluster in its name a cooperative
     # config pairs row tiles (2x1), a ping-pong one has no cluster.
     default = (2, 1) if "cooperative" in name else (1, 1)

@@ -38,11 +38,11 @@ if triton is not None:
       # Triton's interpreter (CPU tests) has two stand-ins for the MMA:
       # tl.dot multiplies bf16 bit patterns as uint16 integers (triton
       # 3.6), and it is numpy's BLAS, whose bits for a row depend on the
-      # row's place in the tile (OpenBLAS sums rows in blocks of a few, each
-      # place of a block in its own order). Widened operands (exact from bf16/f16) and a
-      # broadcast product summed over K give every output element one
-      # order of its own: a row's bits depend on nothing else, as the
-      # tensor cores' do.
+      # row's place in the tile (OpenBLAS sums rows in blocks of a few,
+      # each place of a block in its own order). Widened operands (exact
+      # from bf16/f16) and a broadcast product summed over K give every
+      # output element one order of its own: a row's bits depend on
+      # nothing else, as the tensor cores' do.
       a = a.to(tl.float32)
       b = b.to(tl.float32)
       return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
