@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks import (bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
+from benchmarks import (bench_attention, bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
                         bench_det_gemm_tuning, bench_host, bench_invariance, bench_jit_steps,
                         bench_logp, bench_pack, bench_scaling, bench_torch_ops,
                         harness)
@@ -34,13 +34,14 @@ BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "scaling": bench_scaling, "torch_ops": bench_torch_ops,
               "jit_steps": bench_jit_steps,
               "det_gemm_sweep": bench_det_gemm_sweep,
-              "det_gemm_tuning": bench_det_gemm_tuning}
+              "det_gemm_tuning": bench_det_gemm_tuning,
+              "attention": bench_attention}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
          "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch",
          "jit_steps": "xla_jit",
-         "det_gemm_sweep": "cublas"}
+         "det_gemm_sweep": "cublas", "attention": "sdpa_flash"}
 
 
 def _default_out(smoke: bool) -> str:

@@ -3,6 +3,7 @@
     packed, info = rlk_jax.pack(x, mask, capacity=...)
     x2 = rlk_jax.unpack(packed, info)
     c = rlk_jax.det_gemm(a, b)        # batch-invariant a [..., K] @ b [K, N]
+    o = rlk_jax.det_attention(q, k, v, cu_seqlens=cu)  # decode = prefill bits
 
 Every op dispatches over an implementations table; see
 :func:`implementations` and :func:`selected_implementation`.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "pack_sharded": "rlk_jax._pack_sharded",
     "unpack_sharded": "rlk_jax._pack_sharded",
     "det_gemm": "rlk_jax._det_gemm",
+    "det_attention": "rlk_jax._attention",
     "linear_logp": "rlk_jax._linear_logp",
     "next_token_targets": "rlk_jax._replay",
     "response_predict_index": "rlk_jax._replay",

@@ -89,7 +89,8 @@ class OpTable:
 _TABLES: dict[str, OpTable] = {}
 # The module that registers each op's table, imported on first query.
 _OP_MODULES = {"pack": "rlk_jax._pack", "det_gemm": "rlk_jax._det_gemm",
-               "linear_logp": "rlk_jax._linear_logp"}
+               "linear_logp": "rlk_jax._linear_logp",
+               "det_attention": "rlk_jax._attention"}
 
 
 def register(table: OpTable) -> OpTable:

@@ -88,3 +88,81 @@ def linear_logp(hidden, weight, targets, temperature=1.0):
   picked = jnp.take_along_axis(logits, jnp.clip(targets, 0, v - 1)[:, None],
                                axis=1)[:, 0]
   return jnp.where(valid, picked - lse, 0.0), lse, lse - weighted / s
+
+
+def _elementwise(fn, x: jax.Array) -> jax.Array:
+  """`rowwise` for any shape: fn's bits per element independent of x's size."""
+  return rowwise(fn, x.reshape(-1)).reshape(x.shape)
+
+
+def attention(q, k, v, seqs, *, scale: float, block_n: int,
+              softcap: float | None = None, window: int | None = None):
+  """Causal attention of packed rows, block by block, as the kernels walk it.
+
+  q ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]`` (Hq a multiple of Hkv: query
+  head h reads KV head ``h // (Hq / Hkv)``); `seqs` int32 ``[4, B]``:
+  q_start, q_len, k_start, k_len per sequence. Query i of sequence b (row
+  ``q_start + i``) sits at position ``k_len - q_len + i`` and sees the keys
+  ``k_start + j`` for j up to that position (and, with a window W, above
+  position - W). Returns (out ``[Tq, Hq, D]`` in q's dtype, lse ``[Tq, Hq]``
+  f32); rows no sequence covers are 0 (lse -inf).
+
+  The keys go in blocks of `block_n` counted from each sequence's first
+  key, with the online softmax's update after each block; products and sums
+  are explicit loops in a fixed order, so a row's bits depend only on its
+  sequence's data up to its position, on any backend.
+  """
+  tq, hq, dim = q.shape
+  tk, hkv, _ = k.shape
+  q_start, q_len, k_start, k_len = (seqs[i] for i in range(4))
+  rows = jnp.arange(tq)
+  member = ((rows[:, None] >= q_start[None]) &
+            (rows[:, None] < (q_start + q_len)[None]))       # [Tq, B]
+  covered = jnp.any(member, axis=1)
+  seq = jnp.argmax(member, axis=1)
+  pos = k_len[seq] - q_len[seq] + rows - q_start[seq]         # [Tq]
+  qf = q.astype(jnp.float32)
+  heads = jnp.arange(hq) // (hq // hkv)
+  log2e = jnp.float32(1.4426950408889634)
+
+  def contract(a, b, n):  # sum over the last axis of a * b, in order
+    def step(i, acc):
+      return acc + a[..., i] * b[..., i]
+    return jax.lax.fori_loop(0, n, step, jnp.zeros(
+        jnp.broadcast_shapes(a.shape[:-1], b.shape[:-1]), jnp.float32))
+
+  def block(jb, carry):
+    m, l, acc = carry                                        # [Tq, Hq, ...]
+    j = jb * block_n + jnp.arange(block_n)                   # [BN]
+    key_rows = jnp.clip(k_start[seq][:, None] + j[None], 0, tk - 1)
+    kb = k[key_rows][:, :, heads].astype(jnp.float32)        # [Tq, BN, Hq, D]
+    vb = v[key_rows][:, :, heads].astype(jnp.float32)
+    s = contract(qf[:, :, None, :], jnp.swapaxes(kb, 1, 2), dim) * scale
+    if softcap is not None:
+      s = softcap * _elementwise(jnp.tanh, s / softcap)
+    s = s * log2e                                            # [Tq, Hq, BN]
+    ok = (j[None] <= pos[:, None]) & covered[:, None]
+    if window is not None:
+      ok &= j[None] > pos[:, None] - window
+    s = jnp.where(ok[:, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = _elementwise(jnp.exp2, m - m_use)
+    p = _elementwise(jnp.exp2, s - m_use[..., None])
+    l = l * alpha + contract(p, jnp.ones_like(p), block_n)
+    # p meets v in v's dtype, as in the kernels' MMA.
+    p = p.astype(v.dtype).astype(jnp.float32)
+    acc = acc * alpha[..., None] + contract(
+        p[..., None, :], jnp.moveaxis(vb, 1, -1), block_n)
+    return m_new, l, acc
+
+  init = (jnp.full((tq, hq), -jnp.inf, jnp.float32),
+          jnp.zeros((tq, hq), jnp.float32),
+          jnp.zeros((tq, hq, dim), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, -(-tk // block_n), block, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  out = acc / l_safe[..., None]
+  lse = jnp.where(seen, (m + _elementwise(jnp.log2, l_safe))
+                  * jnp.float32(0.6931471805599453), -jnp.inf)
+  return out.astype(q.dtype), lse

@@ -26,11 +26,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from rlk_torch_bridge.batch_invariant import (  # noqa: E402
     BatchInvariantFallthrough, batch_invariant_mode, disable, enable,
     fallthroughs, is_enabled)
+from rlk_torch_bridge.attention import det_attention  # noqa: E402
 from rlk_torch_bridge.functions import PackInfo, det_gemm, pack, unpack  # noqa: E402
 from rlk_torch_bridge.logp import linear_logp  # noqa: E402
 from rlk_torch_bridge.nn import DetLinear, replace_linear  # noqa: E402
 
 __all__ = ["BatchInvariantFallthrough", "DetLinear", "PackInfo",
-           "batch_invariant_mode", "det_gemm", "disable", "enable",
+           "batch_invariant_mode", "det_attention", "det_gemm", "disable", "enable",
            "fallthroughs", "is_enabled", "linear_logp", "pack",
            "replace_linear", "unpack"]

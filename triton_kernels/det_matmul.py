@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from triton_kernels.backend import interpreted, jax_triton, triton, tl
 
-__all__ = ["matmul", "matmul_torch", "strides", "tile_product"]
+__all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product"]
 
 
 def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
@@ -33,7 +33,7 @@ def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
 if triton is not None:
 
   @triton.jit
-  def _step(a, b, acc, INTERPRETED: tl.constexpr):
+  def mma_step(a, b, acc, INTERPRETED: tl.constexpr):
     if INTERPRETED:
       # Triton's interpreter (CPU tests) has two stand-ins for the MMA:
       # tl.dot multiplies bf16 bit patterns as uint16 integers (triton
@@ -67,12 +67,12 @@ if triton is not None:
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K - K % BLOCK_K
     for _ in range(0, k_full, BLOCK_K):
-      acc = _step(tl.load(a_ptrs), tl.load(b_ptrs), acc, INTERPRETED)
+      acc = mma_step(tl.load(a_ptrs), tl.load(b_ptrs), acc, INTERPRETED)
       a_ptrs += BLOCK_K * stride_ak
       b_ptrs += BLOCK_K * stride_bk
     if k_full < K:
       kk = k_full + rk
-      acc = _step(tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0),
+      acc = mma_step(tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0),
                   tl.load(b_ptrs, mask=kk[:, None] < K, other=0.0), acc,
                   INTERPRETED)
     return acc

@@ -1,0 +1,379 @@
+"""det_attention: causal attention whose every query row is bitwise the same
+whatever batch, pack, padding or call it rides in, so a decode step against
+a KV cache gives the prefill's bits and a rollout's attention equals its
+training forward's.
+
+One call, three layouts (chosen by the arguments):
+
+* packed varlen: ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``
+  ``[B + 1]`` or ``info`` (rlk's ``PackInfo``, as ``pack`` returns it);
+  without either, one sequence;
+* padded: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` with an optional
+  key padding ``mask [B, S]`` (each row's valid tokens contiguous: left or
+  right padding);
+* KV cache: ``q [B, n, Hq, D]`` (the n newest tokens of each sequence)
+  against ``k, v [B, S_cache, Hkv, D]`` with ``kv_lens [B]`` valid keys
+  (the n new ones included) from ``kv_start [B]`` (default 0).
+
+Every layout reduces to one description, ``seqs = [q_start, q_len, k_start,
+k_len]`` per sequence over flattened rows, which both the kernels and the
+reference consume; the contract and its reasoning are in
+``triton_kernels.attention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from rlk_jax import _dispatch, reference
+from triton_kernels import backend as triton_backend
+
+DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
+HEAD_DIMS = (64, 128, 256)
+
+
+def _kernels():
+  from triton_kernels import attention
+  return attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The static part of a call: what the model fixes."""
+  group: int
+  head_dim: int
+  scale: float
+  softcap: float | None
+  window: int | None
+  heads_per_tile: int
+
+
+def _block_n(head_dim: int) -> int:
+  """The online softmax's block: the reference walks the kernels' blocks
+  (the interpreter's in CPU tests of the kernels are smaller; bits are not
+  promised between the reference and the kernels)."""
+  if triton_backend.triton is None:
+    return {64: 64, 128: 64, 256: 32}[head_dim]
+  return _kernels().config_for(head_dim).block_n
+
+
+def _reference_fwd(q, k, v, seqs, settings: Settings):
+  return reference.attention(q, k, v, seqs, scale=settings.scale,
+                             block_n=_block_n(settings.head_dim),
+                             softcap=settings.softcap, window=settings.window)
+
+
+def _tile_map(q_len, rows_per_tile: int, n_tiles: int):
+  """int32 [2, n_tiles]: each tile's sequence (-1: none) and first row."""
+  per_seq = (q_len + rows_per_tile - 1) // rows_per_tile
+  ends = jnp.cumsum(per_seq)
+  t = jnp.arange(n_tiles, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+  valid = seq < q_len.shape[0]
+  seq_c = jnp.minimum(seq, q_len.shape[0] - 1)
+  first = (t - (ends[seq_c] - per_seq[seq_c])) * rows_per_tile
+  return jnp.stack([jnp.where(valid, seq, -1),
+                    jnp.where(valid, first, 0)]).astype(jnp.int32)
+
+
+def _triton_fwd(q, k, v, seqs, settings: Settings):
+  kernels = _kernels()
+  config = kernels.config_for(settings.head_dim)
+  hpt = settings.heads_per_tile
+  tokens = config.block_m // hpt
+  n_tiles = kernels.tile_bound(q.shape[0], seqs.shape[1], tokens)
+  tiles = _tile_map(seqs[1], tokens, n_tiles)
+  return kernels.forward_jax(q, k, v, seqs, tiles, _statics(settings),
+                             config, hpt)
+
+
+def covered_rows(starts, lengths, n: int):
+  """bool [n]: rows inside some [start, start + length) (sequences never
+  overlap): a difference array and its prefix sum, O(n + B)."""
+  edges = jnp.zeros((n + 1,), jnp.int32)
+  edges = edges.at[jnp.clip(starts, 0, n)].add(1)
+  edges = edges.at[jnp.clip(starts + lengths, 0, n)].add(-1)
+  return jnp.cumsum(edges)[:n] > 0
+
+
+def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
+  kernels = _kernels()
+  config = kernels.config_for(settings.head_dim)
+  q_tiles = _tile_map(seqs[1], config.bwd_block_m, kernels.tile_bound(
+      q.shape[0], seqs.shape[1], config.bwd_block_m))
+  k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
+      k.shape[0], seqs.shape[1], config.bwd_block_n))
+  dq, dk, dv = kernels.backward_jax(q, k, v, out, lse, g, seqs, q_tiles,
+                                    k_tiles, _statics(settings), config)
+  # Rows outside every sequence are left unwritten by the kernels.
+  q_in = covered_rows(seqs[0], seqs[1], q.shape[0])[:, None, None]
+  k_in = covered_rows(seqs[2], seqs[3], k.shape[0])[:, None, None]
+  zero = jnp.zeros((), q.dtype)
+  return (jnp.where(q_in, dq, zero), jnp.where(k_in, dk, zero),
+          jnp.where(k_in, dv, zero))
+
+
+def _reference_bwd(q, k, v, seqs, settings, out, lse, g):
+  # The reference's own VJP (reverse mode through its loops): deterministic
+  # on CPUs; on GPUs XLA's scatter-add of the key gradients uses atomics
+  # (name "triton" there for a deterministic backward).
+  _, vjp = jax.vjp(lambda q, k, v: _reference_fwd(q, k, v, seqs, settings)[0],
+                   q, k, v)
+  return vjp(g)
+
+
+def _statics(settings: Settings):
+  return _kernels().Statics(settings.group, settings.head_dim, settings.scale,
+                            settings.softcap, settings.window)
+
+
+TABLE = _dispatch.register(_dispatch.OpTable(
+    op="det_attention",
+    implementations={
+        "xla": _dispatch.Implementation(
+            "xla", (_reference_fwd, _reference_bwd), lambda platform: None,
+            "plain jnp: the kernels' blocks with explicit loops; the oracle "
+            "and the CPU default"),
+        "triton": _dispatch.Implementation(
+            "triton", (_triton_fwd, _triton_bwd),
+            triton_backend.unavailable_reason,
+            "@triton.jit flash-style kernels through jax-triton (and natively "
+            "from torch); CUDA GPUs"),
+    },
+    preference={"cpu": ("xla",), "gpu": ("triton", "xla")},
+))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(impl, settings, q, k, v, seqs):
+  return TABLE.implementations[impl].fn[0](q, k, v, seqs, settings)
+
+
+def _attention_fwd(impl, settings, q, k, v, seqs):
+  out, lse = _attention(impl, settings, q, k, v, seqs)
+  return (out, lse), (q, k, v, seqs, out, lse)
+
+
+def _attention_bwd(impl, settings, residuals, cotangents):
+  q, k, v, seqs, out, lse = residuals
+  g, _ = cotangents  # lse is returned for inspection, not differentiated
+  dq, dk, dv = TABLE.implementations[impl].fn[1](
+      q, k, v, seqs, settings, out, lse, g.astype(q.dtype))
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------- layouts
+
+
+def _i32(x, what):
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"det_attention: {what} must be integers, got {x.dtype}")
+  return x.astype(jnp.int32)
+
+
+def _packed_seqs(t: int, cu_seqlens):
+  cu = _i32(cu_seqlens, "cu_seqlens")
+  if cu.ndim != 1 or cu.shape[0] < 2:
+    raise ValueError("det_attention: cu_seqlens must be [B + 1] with B >= 1, "
+                     f"got shape {cu.shape}")
+  # A pack that dropped rows past its capacity keeps what fits.
+  start = jnp.minimum(cu[:-1], t)
+  length = jnp.minimum(cu[1:], t) - start
+  return jnp.stack([start, length, start, length])
+
+
+def _padded_seqs(b: int, s: int, mask):
+  """Sequences of a padded batch, and which rows break the contiguity the
+  layout needs (they come back NaN, never silently wrong)."""
+  if mask is None:
+    start = jnp.arange(b, dtype=jnp.int32) * s
+    length = jnp.full((b,), s, jnp.int32)
+    return jnp.stack([start, length, start, length]), None
+  mask = jnp.asarray(mask)
+  if mask.shape != (b, s) or mask.dtype != jnp.bool_:
+    raise ValueError(f"det_attention: mask must be bool [B, S] = [{b}, {s}], "
+                     f"got {mask.dtype} {mask.shape}")
+  length = jnp.sum(mask, axis=1, dtype=jnp.int32)
+  first = jnp.where(length > 0, jnp.argmax(mask, axis=1), 0).astype(jnp.int32)
+  cols = jnp.arange(s)[None]
+  contiguous = jnp.all(mask == ((cols >= first[:, None]) &
+                                (cols < (first + length)[:, None])), axis=1)
+  if not isinstance(contiguous, jax.core.Tracer) and not bool(
+      jnp.all(contiguous)):
+    bad = [int(i) for i in jnp.nonzero(~contiguous)[0]]
+    raise ValueError(
+        "det_attention: a padded batch's mask must mark one contiguous run "
+        f"of tokens per row (left or right padding); rows {bad} have gaps")
+  start = jnp.arange(b, dtype=jnp.int32) * s + first
+  return jnp.stack([start, length, start, length]), contiguous
+
+
+def _cache_seqs(b: int, n: int, s_cache: int, kv_lens, kv_start):
+  kv_lens = _i32(kv_lens, "kv_lens")
+  if kv_lens.shape != (b,):
+    raise ValueError(f"det_attention: kv_lens must be [B] = [{b}], got "
+                     f"{kv_lens.shape}")
+  kv_start = (jnp.zeros((b,), jnp.int32) if kv_start is None
+              else _i32(kv_start, "kv_start"))
+  if kv_start.shape != (b,):
+    raise ValueError(f"det_attention: kv_start must be [B] = [{b}], got "
+                     f"{kv_start.shape}")
+  if not isinstance(kv_lens, jax.core.Tracer) and not isinstance(
+      kv_start, jax.core.Tracer):
+    if bool(jnp.any(kv_lens < n)) or bool(jnp.any(kv_start + kv_lens > s_cache)):
+      raise ValueError(
+          f"det_attention: each sequence needs n={n} <= kv_lens and "
+          f"kv_start + kv_lens <= the cache's {s_cache} slots; got kv_lens "
+          f"{kv_lens.tolist()}, kv_start {kv_start.tolist()}")
+  q_start = jnp.arange(b, dtype=jnp.int32) * n
+  return jnp.stack([q_start, jnp.full((b,), n, jnp.int32),
+                    jnp.arange(b, dtype=jnp.int32) * s_cache + kv_start,
+                    kv_lens])
+
+
+def heads_per_tile(layout: str, q_shape, group: int) -> int:
+  """Query heads per forward program. Decode packs a KV head's whole group
+  into one program's rows (its cache read once instead of `group` times);
+  rows are independent, so this changes no bit. A power-of-two group only,
+  so the heads tile the rows exactly."""
+  if layout != "kv cache" or group & (group - 1):
+    return 1
+  block_m = (_kernels().config_for(q_shape[-1]).block_m
+             if triton_backend.triton is not None else 64)
+  return group if q_shape[1] * group <= block_m else 1
+
+
+def _check_operands(q, k, v, layout):
+  if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise TypeError("det_attention: q, k, v must share one dtype of "
+                    f"bfloat16/float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"det_attention: k {k.shape} and v {v.shape} differ")
+  lead = q.ndim - 2
+  if q.ndim not in (3, 4) or k.ndim != q.ndim:
+    raise ValueError(
+        f"det_attention ({layout}): q and k must both be [T, H, D] or [B, S, "
+        f"H, D], got q {q.shape}, k {k.shape}")
+  hq, d = q.shape[-2:]
+  hkv = k.shape[-2]
+  if k.shape[-1] != d:
+    raise ValueError(f"det_attention: head dims differ: q {q.shape}, k "
+                     f"{k.shape}")
+  if d not in HEAD_DIMS:
+    raise NotImplementedError(
+        f"det_attention: head dim {d} is not supported (supported: "
+        f"{HEAD_DIMS})")
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"det_attention: {hq} query heads are not a multiple of "
+                     f"{hkv} KV heads")
+  if layout != "kv cache" and k.shape[:lead] != q.shape[:lead]:
+    raise ValueError(f"det_attention ({layout}): q {q.shape} and k {k.shape} "
+                     "must have the same tokens")
+  if layout == "kv cache" and k.shape[0] != q.shape[0]:
+    raise ValueError(f"det_attention: q {q.shape} and the cache {k.shape} "
+                     "must have the same batch")
+
+
+def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
+                  kv_lens=None, kv_start=None, scale: float | None = None,
+                  causal: bool = True, sliding_window: int | None = None,
+                  softcap: float | None = None, return_lse: bool = False,
+                  implementation: str | None = None):
+  """Batch-invariant causal attention (see the module docstring for the
+  layouts).
+
+  Every query row's output is bitwise a function of its own q and its own
+  sequence's keys and values up to its position: the same alone, in a
+  batch, at any place in a pack, with any padding on either side, and
+  whether its sequence is computed in one call, in chunks, or one token at
+  a time against a KV cache. (Per implementation and device; the ``xla``
+  reference and the kernels round differently.)
+
+  Args:
+    q, k, v: bf16 or f16; Hq a multiple of Hkv (GQA/MQA); head dim 64, 128
+      or 256.
+    scale: softmax scale, default ``1/sqrt(D)``.
+    sliding_window: W: a query at position p sees keys above p - W
+      (Mistral's, Gemma 2/3's local layers).
+    softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+    return_lse: also return the f32 log-sum-exp per row and head, shaped
+      like q without its last axis (what the backward uses).
+
+  Returns ``out`` shaped like q (and ``lse``). Rows outside every sequence
+  (padding, a pack's spare capacity) are 0 (lse -inf). Differentiable in q,
+  k and v (reverse mode), with deterministic gradients that do not depend on
+  what else shares the batch.
+  """
+  if not causal:
+    raise NotImplementedError(
+        "det_attention: only causal attention is implemented (causal=False "
+        "is not)")
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))
+  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
+    raise ValueError("det_attention: give at most one of cu_seqlens, info, "
+                     "mask and kv_lens (they name the layout)")
+  if kv_start is not None and kv_lens is None:
+    raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
+                     "layout)")
+  if info is not None:
+    cu_seqlens = info.cu_seqlens
+  layout = ("kv cache" if kv_lens is not None else
+            "packed" if q.ndim == 3 else "padded")
+  _check_operands(q, k, v, layout)
+  hq, d = q.shape[-2:]
+  hkv = k.shape[-2]
+  group = hq // hkv
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"det_attention: sliding_window must be >= 1, got "
+                     f"{sliding_window}")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"det_attention: softcap must be > 0, got {softcap}")
+  bad_rows = None
+  if layout == "packed":
+    if mask is not None:
+      raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
+                       "layout; packed rows take cu_seqlens or info")
+    t = q.shape[0]
+    seqs = _packed_seqs(t, jnp.array([0, t]) if cu_seqlens is None
+                        else cu_seqlens)
+  elif layout == "padded":
+    if cu_seqlens is not None:
+      raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
+                       "rows, not a padded [B, S, H, D] batch")
+    b, s = q.shape[:2]
+    seqs, contiguous = _padded_seqs(b, s, mask)
+    if contiguous is not None:
+      bad_rows = jnp.repeat(~contiguous, s)
+  else:
+    b, n = q.shape[:2]
+    seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)
+  # Decode: one program holds a KV head's whole group of query heads (its
+  # cache read once); rows are independent, so no bit changes.
+  heads_per_tile_ = heads_per_tile(layout, q.shape, group)
+  settings = Settings(group, d, float(1.0 / math.sqrt(d) if scale is None
+                                      else scale),
+                      None if softcap is None else float(softcap),
+                      None if sliding_window is None else int(sliding_window),
+                      heads_per_tile_)
+  impl = TABLE.select(implementation).name
+  flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+  out, lse = _attention(impl, settings, flat(q), flat(k), flat(v), seqs)
+  # Rows no sequence covers: 0 (the kernels leave them unwritten).
+  covered = covered_rows(seqs[0], seqs[1], out.shape[0])
+  out = jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))
+  lse = jnp.where(covered[:, None], lse, -jnp.inf)
+  if bad_rows is not None:
+    out = jnp.where(bad_rows[:, None, None], jnp.nan, out)
+    lse = jnp.where(bad_rows[:, None], jnp.nan, lse)
+  out = out.reshape(q.shape)
+  lse = lse.reshape(q.shape[:-1])
+  return (out, lse) if return_lse else out

@@ -1,0 +1,163 @@
+"""``rlk::det_attention`` and ``rlk::det_attention_backward``: rlk_jax's
+det_attention on flattened rows (``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``,
+``seqs`` int32 ``[4, B]``) as PyTorch operators.
+
+On a CUDA tensor with the ``triton`` implementation the @triton.jit kernels
+launch natively on torch's stream (capturable in CUDA graphs); every other
+implementation runs rlk_jax's own functions through one jitted JAX call
+(DLPack). Either way the bits are the JAX op's: the same kernels with the
+same tile map, or the same JAX function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import torch
+
+from rlk_jax import _attention
+from rlk_torch_bridge import _library
+from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
+
+FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, float scale, "
+                  "float? softcap, int? window, int heads_per_tile, "
+                  "str? implementation) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
+                   "Tensor lse, Tensor g, float scale, float? softcap, "
+                   "int? window, str implementation) "
+                   "-> (Tensor, Tensor, Tensor)")
+
+
+def settings(q, k, scale, softcap, window, heads_per_tile):
+  hq, d = q.shape[1:]
+  return _attention.Settings(hq // k.shape[1], d, scale, softcap, window,
+                             heads_per_tile)
+
+
+@functools.lru_cache(maxsize=64)
+def choose(implementation, platform) -> str:
+  return _attention.TABLE.select(implementation, platform).name
+
+
+def _tile_map(lengths, rows_per_tile, n_tiles):
+  """rlk_jax._attention._tile_map in torch (the same ints)."""
+  per_seq = (lengths + rows_per_tile - 1) // rows_per_tile
+  ends = torch.cumsum(per_seq, 0, dtype=torch.int32)
+  t = torch.arange(n_tiles, dtype=torch.int32, device=lengths.device)
+  seq = torch.searchsorted(ends, t, right=True).to(torch.int32)
+  valid = seq < lengths.shape[0]
+  seq_c = seq.clamp(max=lengths.shape[0] - 1).long()
+  first = (t - (ends[seq_c] - per_seq[seq_c])) * rows_per_tile
+  return torch.stack([torch.where(valid, seq, -1),
+                      torch.where(valid, first, 0)]).to(torch.int32)
+
+
+def _covered(starts, lengths, n):
+  """rlk_jax._attention.covered_rows in torch."""
+  edges = torch.zeros((n + 1,), dtype=torch.int32, device=starts.device)
+  edges.index_add_(0, starts.clamp(0, n).long(), torch.ones_like(starts))
+  edges.index_add_(0, (starts + lengths).clamp(0, n).long(),
+                   -torch.ones_like(starts))
+  return torch.cumsum(edges, 0)[:n] > 0
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jax_forward(impl, settings_, q, k, v, seqs):
+  return _attention.TABLE.implementations[impl].fn[0](q, k, v, seqs, settings_)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jax_backward(impl, settings_, q, k, v, seqs, out, lse, g):
+  return _attention.TABLE.implementations[impl].fn[1](
+      q, k, v, seqs, settings_, out, lse, g)
+
+
+def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
+                    implementation):
+  impl = choose(implementation, platform_of(q))
+  s = settings(q, k, scale, softcap, window, heads_per_tile)
+  if impl == "triton" and q.is_cuda:
+    from triton_kernels import attention as kernels
+    config = kernels.config_for(s.head_dim)
+    tokens = config.block_m // heads_per_tile
+    tiles = _tile_map(seqs[1], tokens, kernels.tile_bound(
+        q.shape[0], seqs.shape[1], tokens))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    kernels.forward_torch(q, k, v, seqs, tiles, out, lse,
+                          _attention._statics(s), config, heads_per_tile)
+    return out, lse
+  _library.refuse_capture("det_attention", impl, q.device)
+  out, lse = _jax_forward(impl, s, *to_jax_all(q, k, v, seqs,
+                                               one_computation=True))
+  return to_torch_all(out, lse)
+
+
+def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
+                  implementation):
+  return (torch.empty_like(q),
+          q.new_empty(q.shape[:2], dtype=torch.float32))
+
+
+def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
+                     implementation):
+  s = settings(q, k, scale, softcap, window, 1)
+  if implementation == "triton" and q.is_cuda:
+    from triton_kernels import attention as kernels
+    config = kernels.config_for(s.head_dim)
+    q_tiles = _tile_map(seqs[1], config.bwd_block_m, kernels.tile_bound(
+        q.shape[0], seqs.shape[1], config.bwd_block_m))
+    k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
+        k.shape[0], seqs.shape[1], config.bwd_block_n))
+    dq, dk, dv = kernels.backward_torch(
+        q, k, v, out, lse, g, seqs, q_tiles, k_tiles, torch.empty_like(q),
+        torch.empty_like(k), torch.empty_like(v), _attention._statics(s),
+        config)
+    # Rows outside every sequence are left unwritten by the kernels.
+    q_in = _covered(seqs[0], seqs[1], q.shape[0])[:, None, None]
+    k_in = _covered(seqs[2], seqs[3], k.shape[0])[:, None, None]
+    return (dq.masked_fill_(~q_in, 0), dk.masked_fill_(~k_in, 0),
+            dv.masked_fill_(~k_in, 0))
+  _library.refuse_capture("det_attention", implementation, q.device)
+  grads = _jax_backward(implementation, s, *to_jax_all(
+      q, k, v, seqs, out, lse, g, one_computation=True))
+  return to_torch_all(*grads)
+
+
+def _backward_fake(q, k, v, seqs, out, lse, g, scale, softcap, window,
+                   implementation):
+  return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class DetAttention(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, q, k, v, seqs, scale, softcap, window, heads_per_tile,
+              implementation):
+    impl = choose(implementation, platform_of(q))
+    out, lse = _library.below_autograd(
+        FORWARD, q, k, v, seqs, scale, softcap, window, heads_per_tile, impl)
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, seqs, out, lse)
+    ctx.static = (scale, softcap, window, impl)
+    return out, lse
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g, _):
+    q, k, v, seqs, out, lse = ctx.saved_tensors
+    g = torch.zeros_like(out) if g is None else g.to(q.dtype).contiguous()
+    dq, dk, dv = _library.below_autograd(BACKWARD, q, k, v, seqs, out, lse, g,
+                                         *ctx.static)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+def _differentiable(q, k, v, *_):
+  return _library.needs_grad(q, k, v)
+
+
+FORWARD = _library.define("det_attention", FORWARD_SCHEMA, _forward_kernel,
+                          _forward_fake, DetAttention, _differentiable)
+BACKWARD = _library.define("det_attention_backward", BACKWARD_SCHEMA,
+                           _backward_kernel, _backward_fake)

@@ -1,0 +1,142 @@
+"""``rlk_jax.det_attention`` for torch: batch-invariant causal attention in
+the same three layouts (packed, padded, KV cache), the same bits as the JAX
+op on the same device, as the operators ``torch.ops.rlk.det_attention`` and
+``torch.ops.rlk.det_attention_backward``."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+
+from rlk_jax import _attention
+from rlk_torch_bridge import _attention_op, _library
+from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
+
+
+def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype(t.dtype))
+
+
+def _ints(t, what, device):
+  t = torch.as_tensor(t, device=device)
+  if t.dtype.is_floating_point or t.dtype == torch.bool:
+    raise TypeError(f"det_attention: {what} must be integers, got {t.dtype}")
+  return t.to(torch.int32)
+
+
+def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
+  """rlk_jax.det_attention's per-sequence description, in torch; and the
+  padded rows that break contiguity (None if none can)."""
+  dev = q.device
+  if layout == "packed":
+    t = q.shape[0]
+    cu = (torch.tensor([0, t], dtype=torch.int32, device=dev)
+          if cu_seqlens is None else _ints(cu_seqlens, "cu_seqlens", dev))
+    if cu.ndim != 1 or cu.shape[0] < 2:
+      raise ValueError("det_attention: cu_seqlens must be [B + 1] with B >= 1,"
+                       f" got shape {tuple(cu.shape)}")
+    start = cu[:-1].clamp(max=t)
+    length = cu[1:].clamp(max=t) - start
+    return torch.stack([start, length, start, length]), None
+  b, s = q.shape[:2]
+  base = torch.arange(b, dtype=torch.int32, device=dev)
+  if layout == "padded":
+    if mask is None:
+      full = torch.full((b,), s, dtype=torch.int32, device=dev)
+      return torch.stack([base * s, full, base * s, full]), None
+    if tuple(mask.shape) != (b, s) or mask.dtype != torch.bool:
+      raise ValueError(f"det_attention: mask must be bool [B, S] = [{b}, {s}],"
+                       f" got {mask.dtype} {tuple(mask.shape)}")
+    mask = mask.to(dev)
+    length = mask.sum(1, dtype=torch.int32)
+    first = torch.where(length > 0, mask.int().argmax(1), 0).to(torch.int32)
+    cols = torch.arange(s, device=dev)[None]
+    contiguous = (mask == ((cols >= first[:, None])
+                           & (cols < (first + length)[:, None]))).all(1)
+    if not dev.type == "cuda" and not bool(contiguous.all()):
+      bad = torch.nonzero(~contiguous)[:, 0].tolist()
+      raise ValueError(
+          "det_attention: a padded batch's mask must mark one contiguous run "
+          f"of tokens per row (left or right padding); rows {bad} have gaps")
+    start = base * s + first
+    return torch.stack([start, length, start, length]), contiguous
+  n, s_cache = q.shape[1], k.shape[1]
+  kv_lens = _ints(kv_lens, "kv_lens", dev)
+  kv_start = (torch.zeros_like(kv_lens) if kv_start is None
+              else _ints(kv_start, "kv_start", dev))
+  for name, t in (("kv_lens", kv_lens), ("kv_start", kv_start)):
+    if tuple(t.shape) != (b,):
+      raise ValueError(f"det_attention: {name} must be [B] = [{b}], got "
+                       f"{tuple(t.shape)}")
+  if not dev.type == "cuda" and (bool((kv_lens < n).any()) or bool(
+      (kv_start + kv_lens > s_cache).any())):
+    raise ValueError(
+        f"det_attention: each sequence needs n={n} <= kv_lens and kv_start + "
+        f"kv_lens <= the cache's {s_cache} slots; got kv_lens "
+        f"{kv_lens.tolist()}, kv_start {kv_start.tolist()}")
+  return torch.stack([base * n, torch.full_like(kv_lens, n),
+                      base * s_cache + kv_start, kv_lens]), None
+
+
+def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  cu_seqlens=None, info=None, mask=None, kv_lens=None,
+                  kv_start=None, scale: float | None = None,
+                  causal: bool = True, sliding_window: int | None = None,
+                  softcap: float | None = None, return_lse: bool = False,
+                  implementation: str | None = None):
+  """Batch-invariant causal attention; arguments, layouts and contract as
+  ``rlk_jax.det_attention`` (q, k, v ``[T, H, D]`` packed or ``[B, S, H,
+  D]`` padded / against a KV cache; ``info`` is the bridge's ``PackInfo``).
+  On CUDA tensors the masks' checks run on the device (a gap in a padded
+  row's mask makes that row NaN instead of raising: no host sync)."""
+  if not causal:
+    raise NotImplementedError(
+        "det_attention: only causal attention is implemented (causal=False "
+        "is not)")
+  for name, t in (("q", q), ("k", k), ("v", v)):
+    check_tensor("det_attention", name, t)
+  check_same_device("det_attention", q=q, k=k, v=v)
+  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
+    raise ValueError("det_attention: give at most one of cu_seqlens, info, "
+                     "mask and kv_lens (they name the layout)")
+  if kv_start is not None and kv_lens is None:
+    raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
+                     "layout)")
+  if info is not None:
+    cu_seqlens = info.cu_seqlens
+  layout = ("kv cache" if kv_lens is not None else
+            "packed" if q.ndim == 3 else "padded")
+  _attention._check_operands(_spec(q), _spec(k), _spec(v), layout)
+  if layout == "packed" and mask is not None:
+    raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
+                     "layout; packed rows take cu_seqlens or info")
+  if layout == "padded" and cu_seqlens is not None:
+    raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
+                     "rows, not a padded [B, S, H, D] batch")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"det_attention: sliding_window must be >= 1, got "
+                     f"{sliding_window}")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"det_attention: softcap must be > 0, got {softcap}")
+  hq, d = q.shape[-2:]
+  seqs, contiguous = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start)
+  heads_per_tile = _attention.heads_per_tile(layout, q.shape, hq // k.shape[-2])
+  flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
+  out, lse = _library.call(
+      _attention_op.FORWARD, flat(q), flat(k), flat(v), seqs.contiguous(),
+      float(1.0 / math.sqrt(d) if scale is None else scale),
+      None if softcap is None else float(softcap),
+      None if sliding_window is None else int(sliding_window),
+      heads_per_tile, implementation)
+  covered = _attention_op._covered(seqs[0], seqs[1], out.shape[0])
+  out = torch.where(covered[:, None, None], out, 0)
+  lse = torch.where(covered[:, None], lse, float("-inf"))
+  if contiguous is not None:
+    bad = (~contiguous).repeat_interleave(q.shape[1])
+    out = out.masked_fill(bad[:, None, None], float("nan"))
+    lse = lse.masked_fill(bad[:, None], float("nan"))
+  out = out.reshape(q.shape)
+  lse = lse.reshape(q.shape[:-1])
+  return (out, lse) if return_lse else out

@@ -1,0 +1,271 @@
+"""det_attention's contract, bitwise, through every route that runs here:
+rlk_jax and rlk_torch_bridge, the ``xla`` reference on CPUs (the torch route
+through DLPack), the Triton kernels on GPUs (jax-triton, and torch's own
+launcher). A row's output and gradients alone, in a ragged pack, in a padded
+batch (either side) and token by token against a KV cache: the same bits.
+Accuracy against float64. (The kernels themselves on CPU, in Triton's
+interpreter: test_attention_triton.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rlk_jax
+from attention_checks import (bits, dense_f64, pack_sequences, padded_batch,
+                              rel_err, sequences)
+from conftest import ON_GPU
+
+torch = pytest.importorskip("torch")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import rlk_torch_bridge as rtb  # noqa: E402
+
+IMPL = "triton" if ON_GPU else "xla"
+TOL = 1e-2  # bf16 operands and output
+
+
+class JaxRoute:
+  name = "jax"
+
+  def array(self, x, dtype=jnp.bfloat16):
+    return jnp.asarray(x, dtype)
+
+  def ints(self, x):
+    return jnp.asarray(x, jnp.int32)
+
+  def attend(self, q, k, v, **kw):
+    return rlk_jax.det_attention(q, k, v, implementation=IMPL, **kw)
+
+  def grads(self, q, k, v, g, **kw):
+    _, vjp = jax.vjp(lambda q, k, v: self.attend(q, k, v, **kw), q, k, v)
+    return vjp(g)
+
+
+class TorchRoute:
+  name = "torch"
+  device = "cuda" if ON_GPU else "cpu"
+
+  def array(self, x, dtype=torch.bfloat16):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, dtype)
+
+  def ints(self, x):
+    return torch.as_tensor(np.asarray(x), dtype=torch.int32,
+                           device=self.device)
+
+  def attend(self, q, k, v, **kw):
+    if "mask" in kw:
+      kw["mask"] = torch.as_tensor(np.asarray(kw["mask"]), device=self.device)
+    return rtb.det_attention(q, k, v, implementation=IMPL, **kw)
+
+  def grads(self, q, k, v, g, **kw):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    self.attend(q, k, v, **kw).backward(g)
+    return q.grad, k.grad, v.grad
+
+
+@pytest.fixture(params=[JaxRoute, TorchRoute], ids=["jax", "torch"])
+def route(request):
+  return request.param()
+
+
+def _same(a, b) -> bool:
+  return np.array_equal(bits(a), bits(b))
+
+
+# Small on CPU (the reference's explicit loops), wider on the device.
+HEADS = (4, 2, 64) if not ON_GPU else (8, 2, 128)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (13, None),
+                                            (None, 20.0)])
+def test_pack_rows_equal_alone_and_float64(route, rng, window, softcap):
+  hq, hkv, d = HEADS
+  lengths = [37, 1, 64, 70] if ON_GPU else [37, 1, 20]
+  seqs = sequences(rng, lengths, hq, hkv, d)
+  q, k, v, cu, starts = pack_sequences(seqs, spare=3)
+  kw = dict(sliding_window=window, softcap=softcap)
+  out = route.attend(route.array(q), route.array(k), route.array(v),
+                     cu_seqlens=route.ints(cu), **kw)
+  for s, start in zip(seqs, starts):
+    n = s[0].shape[0]
+    alone = route.attend(*(route.array(x) for x in s), **kw)
+    assert _same(out[start:start + n], alone), (route.name, n)
+    want = dense_f64(*(np.asarray(route.array(x).astype(jnp.float32)
+                                  if route.name == "jax" else
+                                  route.array(x).float().cpu())
+                       for x in s), window=window, softcap=softcap)
+    got = np.asarray(alone.astype(jnp.float32) if route.name == "jax"
+                     else alone.float().cpu())
+    assert rel_err(got, want) < TOL
+  # The spare rows after the last sequence come back 0.
+  assert not np.asarray(bits(out))[cu[-1]:].any()
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "right"])
+def test_padded_rows_equal_alone(route, rng, left):
+  hq, hkv, d = HEADS
+  lengths = [9, 24, 17]
+  seqs = sequences(rng, lengths, hq, hkv, d)
+  q, k, v, mask = padded_batch(seqs, 24, left)
+  out = route.attend(route.array(q), route.array(k), route.array(v), mask=mask)
+  for j, (s, n) in enumerate(zip(seqs, lengths)):
+    alone = route.attend(*(route.array(x) for x in s))
+    rows = slice(24 - n, 24) if left else slice(0, n)
+    assert _same(out[j, rows], alone)
+
+
+def test_decode_and_chunked_prefill_equal_prefill(route, rng):
+  """A KV-cache rollout: prefill, then one token at a time, and a chunk of
+  three, against the whole sequence computed at once, in a batch whose
+  sequences have other lengths and a left-padded cache slot."""
+  hq, hkv, d = HEADS
+  n_total, slots = 40, 48
+  seqs = sequences(rng, [n_total, 29], hq, hkv, d)
+  full = route.attend(*(route.array(x) for x in seqs[0]))
+  ks = np.full((2, slots, hkv, d), 5.0, np.float32)
+  vs = np.full((2, slots, hkv, d), -5.0, np.float32)
+  offset = 4  # sequence 0 sits left-padded in its cache slot
+  ks[0, offset:offset + n_total], vs[0, offset:offset + n_total] = seqs[0][1:]
+  ks[1, :29], vs[1, :29] = seqs[1][1:]
+  kc, vc = route.array(ks), route.array(vs)
+  for pos, n in [(0, 1), (16, 1), (31, 1), (32, 3), (39, 1)]:
+    qn = np.zeros((2, n, hq, d), np.float32)
+    qn[0] = seqs[0][0][pos:pos + n]
+    qn[1] = seqs[1][0][:n]
+    out = route.attend(route.array(qn), kc, vc,
+                       kv_lens=route.ints([pos + n, n]),
+                       kv_start=route.ints([offset, 0]))
+    assert _same(out[0], full[pos:pos + n]), (pos, n)
+
+
+def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
+  hq, hkv, d = HEADS
+  lengths = [21, 1, 33] if not ON_GPU else [21, 1, 100, 67]
+  seqs = sequences(rng, lengths, hq, hkv, d)
+  q, k, v, cu, starts = pack_sequences(seqs, spare=2)
+  g = rng.standard_normal(q.shape).astype(np.float32)
+  args = [route.array(x) for x in (q, k, v, g)]
+  packed = route.grads(*args, cu_seqlens=route.ints(cu))
+  again = route.grads(*args, cu_seqlens=route.ints(cu))
+  for a, b in zip(packed, again):
+    assert _same(a, b)
+  for s, start in zip(seqs, starts):
+    n = s[0].shape[0]
+    alone = route.grads(*(route.array(x) for x in s),
+                        route.array(g[start:start + n]))
+    for a, b in zip(packed, alone):
+      assert _same(a[start:start + n], b)
+  # Accuracy of the whole pack's gradients against float64 autodiff.
+  if route.name == "torch":
+    s, start = seqs[-1], starts[-1]
+    n = s[0].shape[0]
+    t64 = [torch.tensor(np.asarray(route.array(x).float().cpu()),
+                        dtype=torch.float64, requires_grad=True) for x in s]
+    g64 = torch.tensor(np.asarray(route.array(g[start:start + n])
+                                  .float().cpu()), dtype=torch.float64)
+    qq, kk, vv = t64
+    grp = qq.shape[1] // kk.shape[1]
+    sc = torch.einsum("thd,shd->hts", qq, kk.repeat_interleave(grp, 1))
+    sc = sc / d ** 0.5
+    sc = sc.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -torch.inf)
+    ref = torch.einsum("hts,shd->thd", sc.softmax(-1),
+                       vv.repeat_interleave(grp, 1))
+    ref.backward(g64)
+    for got, want in zip(packed, t64):
+      assert rel_err(got[start:start + n].float().cpu(),
+                     want.grad.numpy()) < 2 * TOL
+
+
+def test_jax_equals_torch(rng):
+  hq, hkv, d = HEADS
+  seqs = sequences(rng, [19, 30], hq, hkv, d)
+  q, k, v, cu, _ = pack_sequences(seqs)
+  jr, tr = JaxRoute(), TorchRoute()
+  a = jr.attend(*(jr.array(x) for x in (q, k, v)), cu_seqlens=jr.ints(cu))
+  b = tr.attend(*(tr.array(x) for x in (q, k, v)), cu_seqlens=tr.ints(cu))
+  assert _same(a, b)
+
+
+def test_lse_is_the_log_normaliser(rng):
+  hq, hkv, d = HEADS
+  (q, k, v), = sequences(rng, [11], hq, hkv, d)
+  r = JaxRoute()
+  _, lse = r.attend(*(r.array(x) for x in (q, k, v)), return_lse=True)
+  qf, kf = (np.asarray(r.array(x).astype(jnp.float32), np.float64)
+            for x in (q, k))
+  s = np.einsum("thd,shd->ths", qf, np.repeat(kf, hq // hkv, 1)) / d ** 0.5
+  s = np.where(np.tril(np.ones((11, 11), bool))[:, None, :], s, -np.inf)
+  want = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+  np.testing.assert_allclose(np.asarray(lse), want, rtol=1e-5, atol=1e-5)
+
+
+def test_jit_and_pack_info(rng):
+  """Inside jit, from what rlk_jax.pack returns."""
+  hq, hkv, d = HEADS
+  b, s = 3, 16
+  lengths = np.array([16, 5, 11])
+  mask = np.arange(s)[None] < lengths[:, None]
+  x = rng.standard_normal((b, s, hq + 2 * hkv, d)).astype(np.float32)
+
+  @jax.jit
+  def f(x, mask):
+    packed, info = rlk_jax.pack(x, mask, capacity=40)
+    q, k, v = (packed[:, :hq], packed[:, hq:hq + hkv], packed[:, hq + hkv:])
+    return rlk_jax.det_attention(q, k, v, info=info,
+                                 implementation=IMPL), info
+
+  out, info = f(jnp.asarray(x, jnp.bfloat16), jnp.asarray(mask))
+  cu = np.asarray(info.cu_seqlens)
+  xb = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  r = JaxRoute()
+  for j in range(b):
+    n = lengths[j]
+    alone = r.attend(r.array(xb[j, :n, :hq]), r.array(xb[j, :n, hq:hq + hkv]),
+                     r.array(xb[j, :n, hq + hkv:]))
+    assert _same(out[cu[j]:cu[j + 1]], alone)
+  assert not np.asarray(bits(out))[cu[-1]:].any()
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(q_dtype=jnp.float32), "bfloat16/float16"),
+    (dict(d=96), "head dim 96"),
+    (dict(hkv=3), "multiple of 3 KV heads"),
+    (dict(causal=False), "only causal"),
+    (dict(mask_gap=True), "rows \\[1\\] have gaps"),
+    (dict(both=True), "at most one of"),
+    (dict(kv_short=True), "n=2 <= kv_lens"),
+])
+def test_bad_input_raises_naming_it(bad, message):
+  d = bad.get("d", 64)
+  hkv = bad.get("hkv", 2)
+  dtype = bad.get("q_dtype", jnp.bfloat16)
+  q = jnp.ones((2, 8, 4, d), dtype)
+  k = jnp.ones((2, 8, hkv, d), dtype)
+  kw = {}
+  if "causal" in bad:
+    kw["causal"] = False
+  if "mask_gap" in bad:
+    m = np.ones((2, 8), bool)
+    m[1, 3] = False
+    kw["mask"] = jnp.asarray(m)
+  if "both" in bad:
+    kw.update(mask=jnp.ones((2, 8), bool), kv_lens=jnp.array([8, 8]))
+  if "kv_short" in bad:
+    q = jnp.ones((2, 2, 4, d), dtype)
+    kw["kv_lens"] = jnp.array([1, 8])
+  with pytest.raises((ValueError, TypeError, NotImplementedError),
+                     match=message):
+    rlk_jax.det_attention(q, k, k, **kw)
+
+
+def test_torch_op_compiles_and_is_registered(rng):
+  hq, hkv, d = HEADS
+  (q, k, v), = sequences(rng, [24], hq, hkv, d)
+  tr = TorchRoute()
+  args = [tr.array(x) for x in (q, k, v)]
+  eager = tr.attend(*args)
+  compiled = torch.compile(lambda q, k, v: rtb.det_attention(
+      q, k, v, implementation=IMPL), fullgraph=True)(*args)
+  assert _same(eager, compiled)
+  assert hasattr(torch.ops.rlk, "det_attention")

@@ -1,0 +1,97 @@
+"""triton_kernels.attention on CPU, in Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 without a GPU), launched as the torch bridge launches
+it, with small tiles: a row's output and gradients alone vs in a ragged
+pack, decode vs prefill (one and several query heads per program), against
+float64. The device runs the same contract at the GPU tiles
+(test_attention.py on a GPU)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from attention_checks import bits, dense_f64, pack_sequences, rel_err, sequences
+from conftest import ON_GPU
+
+triton = pytest.importorskip("triton", reason="Triton wheels: Linux x86_64")
+torch = pytest.importorskip("torch")
+from rlk_torch_bridge import _attention_op  # noqa: E402
+from triton_kernels import attention as kernels  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        ON_GPU or os.environ.get("TRITON_INTERPRET") != "1",
+        reason="the interpreter runs on CPU machines"),
+    pytest.mark.filterwarnings(
+        "ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+HQ, HKV, D = 4, 2, 64
+CONFIG = kernels.interpreter_config(D)
+
+
+def _t(x):
+  return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16)
+
+
+def _seqs(rows):  # [(q_start, q_len, k_start, k_len)] -> int32 [4, B]
+  return torch.tensor(np.asarray(rows, np.int32).T.copy())
+
+
+def forward(q, k, v, seqs, statics, heads_per_tile=1):
+  tokens = CONFIG.block_m // heads_per_tile
+  tiles = _attention_op._tile_map(seqs[1], tokens, kernels.tile_bound(
+      q.shape[0], seqs.shape[1], tokens))
+  out = torch.full_like(q, float("nan"))  # poisoned: every row is written
+  lse = torch.full(q.shape[:2], float("nan"))
+  return kernels.forward_torch(q, k, v, seqs, tiles, out, lse, statics,
+                               CONFIG, heads_per_tile)
+
+
+def backward(q, k, v, seqs, g, statics):
+  out, lse = forward(q, k, v, seqs, statics)
+  q_tiles = _attention_op._tile_map(seqs[1], CONFIG.bwd_block_m,
+                                    kernels.tile_bound(q.shape[0], seqs.shape[1],
+                                                       CONFIG.bwd_block_m))
+  k_tiles = _attention_op._tile_map(seqs[3], CONFIG.bwd_block_n,
+                                    kernels.tile_bound(k.shape[0], seqs.shape[1],
+                                                       CONFIG.bwd_block_n))
+  nan = lambda x: torch.full_like(x, float("nan"))
+  return kernels.backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
+                                nan(q), nan(k), nan(v), statics, CONFIG)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, None),
+                                            (None, 5.0)])
+def test_pack_equals_alone_forward_and_backward(rng, window, softcap):
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, softcap, window)
+  seqs = sequences(rng, [45, 3, 20], HQ, HKV, D)
+  q, k, v, cu, starts = pack_sequences(seqs)
+  g = rng.standard_normal(q.shape).astype(np.float32)
+  meta = _seqs([(a, b - a, a, b - a) for a, b in zip(cu[:-1], cu[1:])])
+  out, _ = forward(_t(q), _t(k), _t(v), meta, statics)
+  grads = backward(_t(q), _t(k), _t(v), meta, _t(g), statics)
+  for s, start in zip(seqs, starts):
+    n = s[0].shape[0]
+    one = _seqs([(0, n, 0, n)])
+    alone, _ = forward(*map(_t, s), one, statics)
+    assert np.array_equal(bits(alone), bits(out[start:start + n]))
+    for a, b in zip(backward(*map(_t, s), one, _t(g[start:start + n]),
+                             statics), grads):
+      assert np.array_equal(bits(a), bits(b[start:start + n]))
+    want = dense_f64(*(_t(x).double().numpy() for x in s), window=window,
+                     softcap=softcap)
+    assert rel_err(alone.double().numpy(), want) < 1e-2
+
+
+@pytest.mark.parametrize("heads_per_tile", [1, 2])
+def test_decode_equals_prefill(rng, heads_per_tile):
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, None)
+  (q, k, v), = sequences(rng, [40], HQ, HKV, D)
+  full, full_lse = forward(_t(q), _t(k), _t(v), _seqs([(0, 40, 0, 40)]),
+                           statics)
+  for pos in (0, 15, 16, 17, 39):
+    out, lse = forward(_t(q[pos:pos + 1]), _t(k), _t(v),
+                       _seqs([(0, 1, 0, pos + 1)]), statics, heads_per_tile)
+    assert np.array_equal(bits(out[0]), bits(full[pos])), pos
+    assert torch.equal(lse[0], full_lse[pos])

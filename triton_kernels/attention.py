@@ -1,0 +1,490 @@
+"""Batch-invariant causal attention as ``@triton.jit`` kernels: one forward
+kernel for prefill, packed varlen, padded batches and KV-cache decode, and a
+deterministic backward (dK/dV per key tile, dQ per query tile, no atomics).
+
+Why a query row's bits depend on nothing but its own q and its own
+sequence's keys and values up to its position:
+
+* A program owns ``BLOCK_M`` query rows of one sequence (and one KV head)
+  and walks that sequence's keys in ``BLOCK_N`` blocks counted from the
+  sequence's first key, in order. The blocks are the same whatever buffer,
+  batch, pack offset or padding the sequence sits in, and whatever other
+  rows share the program.
+* Each row's arithmetic is its own: ``q k^T`` and ``p v`` are MMAs (every
+  output element reduces over its own row and column only, the same
+  instruction shape for every row), the row max is exact, the row sum
+  walks the same register layout for every row of the tile, and the
+  online-softmax update is elementwise.
+* A key the row may not see (past its position, before its window, past
+  the sequence) scores ``-inf``; a block the row cannot see at all is an
+  exact no-op for it: the running max does not move (``alpha = 1``), ``p``
+  is 0, ``l * 1 + 0 = l`` and ``acc * 1 + 0 = acc``. Before the row has
+  seen any key, ``m_use = 0`` keeps ``-inf - -inf`` out (``alpha = 0``,
+  ``l = acc = 0``), so a walk that starts blocks earlier gives the same
+  bits as one that starts at the row's first visible block.
+* Hence prefill of T tokens, chunked prefill and decode one token at a time
+  against a cache give a token the same bits: its row walks the same
+  blocks with the same arithmetic; only which blocks are skipped as empty
+  differs. A decode program packs the query heads of one KV head into its
+  rows (``HEADS_PER_TILE``) so the cache is read once per KV head: rows
+  are independent, so this changes no bit.
+
+The configuration (``BLOCK_M``, ``BLOCK_N``, warps) is chosen from the head
+dimension alone, never from the problem's size: a new size must not mean
+new bits.
+
+Two launchers per kernel share one source: ``*_jax`` (jax-triton) and
+``*_torch`` (Triton's own launcher on torch's stream; with
+``TRITON_INTERPRET=1`` on CPU tensors in Triton's interpreter, which is
+how the CPU tests check the kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from triton_kernels.backend import interpreted, jax_triton, triton, tl
+
+__all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
+           "backward_jax", "backward_torch", "LOG2E"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  block_m: int      # query rows per forward program (tokens x heads)
+  block_n: int      # keys per block: the unit of the online softmax
+  num_warps: int
+  num_stages: int
+  # The backward's tiles: free (the backward's bits are not tied to the
+  # forward's), but fixed per head dimension for the same reason.
+  bwd_block_m: int
+  bwd_block_n: int
+  bwd_num_warps: int
+
+
+# Per head dimension. The forward's block_n is part of the contract (it
+# fixes the online softmax's blocks): changing it changes every bit.
+_CONFIGS = {
+    64: AttentionConfig(128, 64, 4, 3, 64, 64, 4),
+    128: AttentionConfig(128, 64, 8, 2, 64, 64, 4),
+    256: AttentionConfig(64, 32, 4, 2, 32, 32, 4),
+}
+
+HEAD_DIMS = tuple(sorted(_CONFIGS))
+
+
+def config_for(head_dim: int) -> AttentionConfig:
+  return _CONFIGS[head_dim]
+
+
+def interpreter_config(head_dim: int) -> AttentionConfig:
+  """Smaller tiles for Triton's interpreter (the CPU tests): the same code
+  paths, a tenth of the time."""
+  return AttentionConfig(32, 16, 4, 1, 16, 16, 4)
+
+
+if triton is not None:
+  from triton_kernels.det_matmul import mma_step
+
+  @triton.jit
+  def _scores(a, b, scale2, softcap2, BLOCK_A: tl.constexpr,
+              BLOCK_B: tl.constexpr, SOFTCAP: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+    """``a @ b`` as log2-scaled logits, and tanh of the capped logits (for
+    the backward; 0 without a cap). Without a cap: ``s * (scale log2 e)``.
+    With one: ``cap log2 e * tanh(s * scale / cap)``, tanh through exp2
+    (one formula in every kernel, so the backward recomputes the forward's
+    logits)."""
+    s = mma_step(a, b, tl.zeros((BLOCK_A, BLOCK_B), tl.float32), INTERPRETED)
+    if SOFTCAP:
+      t = 1.0 - 2.0 / (tl.exp2(s * scale2) + 1.0)
+      return t * softcap2, t
+    else:
+      return s * scale2, s
+
+  @triton.jit
+  def _visible(pos, j, row_ok, window, WINDOWED: tl.constexpr):
+    """Which keys (logical positions `j`, a row vector) each query
+    (logical positions `pos`, a column) may see."""
+    ok = (j[None, :] <= pos[:, None]) & row_ok[:, None]
+    if WINDOWED:
+      ok = ok & (j[None, :] > pos[:, None] - window)
+    return ok
+
+  @triton.jit
+  def _fwd_kernel(q_ptr, k_ptr, v_ptr, seqs_ptr, tiles_ptr, o_ptr, lse_ptr,
+                  n_seqs, stride_qt, stride_qh, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+                  scale2: tl.constexpr, softcap2: tl.constexpr,
+                  window: tl.constexpr, GROUP: tl.constexpr,
+                  HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    # seqs: int32 [4, n_seqs] = q_start, q_len, k_start, k_len;
+    # tiles: int32 [2, n_tiles] = sequence (-1: no work), first query.
+    tile = tl.program_id(0)
+    n_tiles = tl.num_programs(0)
+    seq = tl.load(tiles_ptr + tile)
+    if seq >= 0:
+      i0 = tl.load(tiles_ptr + n_tiles + tile)
+      q_start = tl.load(seqs_ptr + seq)
+      q_len = tl.load(seqs_ptr + n_seqs + seq)
+      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
+      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
+      TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
+      r = tl.arange(0, BLOCK_M)
+      i = i0 + r // HEADS_PER_TILE          # query index in the sequence
+      head = tl.program_id(1) * HEADS_PER_TILE + r % HEADS_PER_TILE
+      kv_head = (tl.program_id(1) * HEADS_PER_TILE) // GROUP
+      row_ok = i < q_len
+      pos = k_len - q_len + i                # logical position (causal)
+      d = tl.arange(0, HEAD_DIM)
+      q_rows = (q_start + i).to(tl.int64)
+      q = tl.load(q_ptr + q_rows[:, None] * stride_qt
+                  + head[:, None].to(tl.int64) * stride_qh + d[None, :],
+                  mask=row_ok[:, None], other=0.0)
+      # Keys from the first block any row can see to the last one's
+      # position; blocks counted from the sequence's key 0.
+      hi = k_len - q_len + tl.minimum(i0 + TOKENS, q_len)
+      lo = 0
+      if WINDOWED:
+        lo = tl.maximum(k_len - q_len + i0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+      k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+      v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+      m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+      l_i = tl.zeros((BLOCK_M,), tl.float32)
+      acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+      for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        kv_rows = (k_start + j).to(tl.int64)
+        in_seq = j < k_len
+        kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None],
+                     mask=in_seq[None, :], other=0.0)
+        s, _ = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
+                       INTERPRETED)
+        s = tl.where(_visible(pos, j, row_ok, window, WINDOWED), s,
+                     float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :],
+                    mask=in_seq[:, None], other=0.0)
+        acc = mma_step(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
+        m_i = m_new
+      seen = l_i > 0.0
+      out = acc / tl.where(seen, l_i, 1.0)[:, None]
+      lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2,
+                     float("-inf"))
+      tl.store(o_ptr + q_rows[:, None] * stride_ot
+               + head[:, None].to(tl.int64) * stride_oh + d[None, :],
+               out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+      tl.store(lse_ptr + q_rows * stride_lt + head, lse, mask=row_ok)
+
+  @triton.jit
+  def _bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, n_rows, stride_ot,
+                        stride_oh, stride_dt, stride_dh, n_heads,
+                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # delta[t, h] = sum_d o * do, f32, one row at a time in one layout.
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    t = (r // n_heads).to(tl.int64)
+    h = (r % n_heads).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(o_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh
+                + d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + t[:, None] * stride_dt + h[:, None] * stride_dh
+                 + d[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + r, delta, mask=ok)
+
+  @triton.jit
+  def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+                       seqs_ptr, tiles_ptr, dk_ptr, dv_ptr, n_seqs,
+                       stride_qt, stride_qh, stride_kt, stride_kh,
+                       stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_lt, stride_dkt, stride_dkh, stride_dvt,
+                       stride_dvh, scale: tl.constexpr,
+                       scale2: tl.constexpr, softcap2: tl.constexpr,
+                       window: tl.constexpr, GROUP: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                       WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
+    # One program: BLOCK_N keys of one sequence and one KV head. Its
+    # query heads, then its queries in BLOCK_M blocks from the sequence's
+    # first query, in order: no atomics, and a key's gradient sums over its
+    # own sequence's queries in blocks that nothing else moves.
+    tile = tl.program_id(0)
+    n_tiles = tl.num_programs(0)
+    seq = tl.load(tiles_ptr + tile)
+    if seq >= 0:
+      j0 = tl.load(tiles_ptr + n_tiles + tile)
+      q_start = tl.load(seqs_ptr + seq)
+      q_len = tl.load(seqs_ptr + n_seqs + seq)
+      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
+      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
+      kv_head = tl.program_id(1)
+      j = j0 + tl.arange(0, BLOCK_N)
+      in_seq = j < k_len
+      kv_rows = (k_start + j).to(tl.int64)
+      d = tl.arange(0, HEAD_DIM)
+      k = tl.load(k_ptr + kv_rows[:, None] * stride_kt
+                  + kv_head.to(tl.int64) * stride_kh + d[None, :],
+                  mask=in_seq[:, None], other=0.0)
+      v = tl.load(v_ptr + kv_rows[:, None] * stride_vt
+                  + kv_head.to(tl.int64) * stride_vh + d[None, :],
+                  mask=in_seq[:, None], other=0.0)
+      dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+      dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+      offset = k_len - q_len                 # position of query 0
+      i_lo = tl.maximum(j0 - offset, 0)
+      i_lo = (i_lo // BLOCK_M) * BLOCK_M
+      i_hi = q_len
+      if WINDOWED:
+        i_hi = tl.minimum(q_len, j0 + BLOCK_N - 1 + window - offset)
+      for g in range(GROUP):
+        head = (kv_head * GROUP + g).to(tl.int64)
+        for i0 in range(i_lo, i_hi, BLOCK_M):
+          i = i0 + tl.arange(0, BLOCK_M)
+          row_ok = i < q_len
+          q_rows = (q_start + i).to(tl.int64)
+          qt = tl.load(q_ptr + q_rows[None, :] * stride_qt + head * stride_qh
+                       + d[:, None], mask=row_ok[None, :], other=0.0)
+          do = tl.load(do_ptr + q_rows[:, None] * stride_dot
+                       + head * stride_doh + d[None, :],
+                       mask=row_ok[:, None], other=0.0)
+          lse2 = tl.load(lse_ptr + q_rows * stride_lt + head, mask=row_ok,
+                         other=0.0) * LOG2E
+          delta = tl.load(delta_ptr + q_rows * stride_lt + head, mask=row_ok,
+                          other=0.0)
+          st, tt = _scores(k, qt, scale2, softcap2, BLOCK_N, BLOCK_M,
+                           SOFTCAP, INTERPRETED)
+          # [keys, queries]: the forward's visibility, transposed.
+          ok = (j[:, None] <= (offset + i)[None, :]) & row_ok[None, :]
+          if WINDOWED:
+            ok = ok & (j[:, None] > (offset + i)[None, :] - window)
+          pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
+          dv = mma_step(pt.to(do.dtype), do, dv, INTERPRETED)
+          dpt = mma_step(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M),
+                                                   tl.float32), INTERPRETED)
+          dst = pt * (dpt - delta[None, :])
+          if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+          dk = mma_step(dst.to(do.dtype), tl.trans(qt), dk, INTERPRETED)
+      tl.store(dk_ptr + kv_rows[:, None] * stride_dkt
+               + kv_head.to(tl.int64) * stride_dkh + d[None, :],
+               (dk * scale).to(dk_ptr.dtype.element_ty), mask=in_seq[:, None])
+      tl.store(dv_ptr + kv_rows[:, None] * stride_dvt
+               + kv_head.to(tl.int64) * stride_dvh + d[None, :],
+               dv.to(dv_ptr.dtype.element_ty), mask=in_seq[:, None])
+
+  @triton.jit
+  def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+                     seqs_ptr, tiles_ptr, dq_ptr, n_seqs,
+                     stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_dot, stride_doh, stride_lt,
+                     stride_dqt, stride_dqh, scale: tl.constexpr,
+                     scale2: tl.constexpr, softcap2: tl.constexpr,
+                     window: tl.constexpr, GROUP: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                     WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
+    # One program: BLOCK_M queries of one sequence and one head, walking
+    # the sequence's keys in blocks from key 0 in order.
+    tile = tl.program_id(0)
+    n_tiles = tl.num_programs(0)
+    seq = tl.load(tiles_ptr + tile)
+    if seq >= 0:
+      i0 = tl.load(tiles_ptr + n_tiles + tile)
+      q_start = tl.load(seqs_ptr + seq)
+      q_len = tl.load(seqs_ptr + n_seqs + seq)
+      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
+      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
+      head = tl.program_id(1).to(tl.int64)
+      kv_head = head // GROUP
+      i = i0 + tl.arange(0, BLOCK_M)
+      row_ok = i < q_len
+      pos = k_len - q_len + i
+      q_rows = (q_start + i).to(tl.int64)
+      d = tl.arange(0, HEAD_DIM)
+      q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh
+                  + d[None, :], mask=row_ok[:, None], other=0.0)
+      do = tl.load(do_ptr + q_rows[:, None] * stride_dot + head * stride_doh
+                   + d[None, :], mask=row_ok[:, None], other=0.0)
+      lse2 = tl.load(lse_ptr + q_rows * stride_lt + head, mask=row_ok,
+                     other=0.0) * LOG2E
+      delta = tl.load(delta_ptr + q_rows * stride_lt + head, mask=row_ok,
+                      other=0.0)
+      hi = k_len - q_len + tl.minimum(i0 + BLOCK_M, q_len)
+      lo = 0
+      if WINDOWED:
+        lo = tl.maximum(k_len - q_len + i0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+      dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+      for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        in_seq = j < k_len
+        kv_rows = (k_start + j).to(tl.int64)
+        kt = tl.load(k_ptr + kv_rows[None, :] * stride_kt
+                     + kv_head * stride_kh + d[:, None],
+                     mask=in_seq[None, :], other=0.0)
+        vt = tl.load(v_ptr + kv_rows[None, :] * stride_vt
+                     + kv_head * stride_vh + d[:, None],
+                     mask=in_seq[None, :], other=0.0)
+        s, t = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
+                       INTERPRETED)
+        ok = _visible(pos, j, row_ok, window, WINDOWED)
+        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = mma_step(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
+                      INTERPRETED)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+          ds = ds * (1.0 - t * t)
+        dq = mma_step(ds.to(q.dtype), tl.trans(kt), dq, INTERPRETED)
+      tl.store(dq_ptr + q_rows[:, None] * stride_dqt + head * stride_dqh
+               + d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
+               mask=row_ok[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class Statics:
+  """What a launch compiles in: the model's attention settings."""
+  group: int            # query heads per KV head
+  head_dim: int
+  scale: float
+  softcap: float | None
+  window: int | None
+
+  def constants(self) -> dict:
+    softcap = self.softcap or 0.0
+    # Capped: s * scale / cap goes through exp2 as tanh's argument, doubled.
+    scale2 = (2.0 * self.scale / softcap * LOG2E if self.softcap
+              else self.scale * LOG2E)
+    return dict(scale2=scale2, softcap2=softcap * LOG2E,
+                window=self.window or 0, GROUP=self.group,
+                HEAD_DIM=self.head_dim, SOFTCAP=bool(self.softcap),
+                WINDOWED=self.window is not None)
+
+
+def _strides(*arrays):
+  """(token stride, head stride) of each [T, H, D] array (D contiguous)."""
+  out = []
+  for a in arrays:
+    t, h, d = a.shape
+    out += [h * d, d]
+  return out
+
+
+def forward_jax(q, k, v, seqs, tiles, statics: Statics,
+                config: AttentionConfig, heads_per_tile: int):
+  """(out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] f32). Rows no tile covers
+  are not written (the caller masks them)."""
+  import jax
+  tq, hq, d = q.shape
+  n_tiles = tiles.shape[1]
+  strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                      "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
+                     _strides(q, k, v, q)))
+  return jax_triton().triton_call(
+      q, k, v, seqs, tiles, kernel=_fwd_kernel,
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((tq, hq), "float32")),
+      grid=(n_tiles, hq // heads_per_tile), num_warps=config.num_warps,
+      num_stages=config.num_stages, name="rlk_det_attention_fwd",
+      n_seqs=seqs.shape[1], stride_lt=hq, **strides, **statics.constants(),
+      HEADS_PER_TILE=heads_per_tile, BLOCK_M=config.block_m,
+      BLOCK_N=config.block_n, INTERPRETED=False)
+
+
+def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
+                  config: AttentionConfig, heads_per_tile: int):
+  """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors)."""
+  hq = q.shape[1]
+  _fwd_kernel[(tiles.shape[1], hq // heads_per_tile)](
+      q, k, v, seqs, tiles, out, lse, seqs.shape[1], *_strides(q, k, v, out),
+      hq, num_warps=config.num_warps, num_stages=config.num_stages,
+      HEADS_PER_TILE=heads_per_tile, BLOCK_M=config.block_m,
+      BLOCK_N=config.block_n, INTERPRETED=interpreted(),
+      **statics.constants())
+  return out, lse
+
+
+_DELTA_BLOCK = 64
+
+
+def _bwd_meta(statics, config):
+  meta = statics.constants()
+  return dict(meta, scale=statics.scale, BLOCK_M=config.bwd_block_m,
+              BLOCK_N=config.bwd_block_n)
+
+
+def backward_jax(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
+                 statics: Statics, config: AttentionConfig):
+  """(dq, dk, dv) in the operands' dtypes. Rows no tile covers are not
+  written (the caller masks them)."""
+  import jax
+  jt = jax_triton()
+  tq, hq, d = q.shape
+  tk, hkv, _ = k.shape
+  delta = jt.triton_call(
+      out, g, kernel=_bwd_delta_kernel,
+      out_shape=jax.ShapeDtypeStruct((tq, hq), "float32"),
+      grid=(triton.cdiv(tq * hq, _DELTA_BLOCK),), num_warps=4,
+      name="rlk_det_attention_bwd_delta", n_rows=tq * hq,
+      stride_ot=hq * d, stride_oh=d, stride_dt=hq * d, stride_dh=d,
+      n_heads=hq, HEAD_DIM=d, BLOCK=_DELTA_BLOCK)
+  common = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                     "stride_vt", "stride_vh", "stride_dot", "stride_doh"),
+                    _strides(q, k, v, g)),
+                n_seqs=seqs.shape[1], stride_lt=hq, INTERPRETED=False,
+                **_bwd_meta(statics, config))
+  dk, dv = jt.triton_call(
+      q, k, v, g, lse, delta, seqs, k_tiles, kernel=_bwd_dkdv_kernel,
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(k_tiles.shape[1], hkv), num_warps=config.bwd_num_warps,
+      num_stages=1, name="rlk_det_attention_bwd_dkdv",
+      stride_dkt=hkv * d, stride_dkh=d, stride_dvt=hkv * d, stride_dvh=d,
+      **common)
+  dq = jt.triton_call(
+      q, k, v, g, lse, delta, seqs, q_tiles, kernel=_bwd_dq_kernel,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(q_tiles.shape[1], hq), num_warps=config.bwd_num_warps,
+      num_stages=1, name="rlk_det_attention_bwd_dq",
+      stride_dqt=hq * d, stride_dqh=d, **common)
+  return dq, dk, dv
+
+
+def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
+                   statics: Statics, config: AttentionConfig):
+  """Writes dq, dk, dv (contiguous torch tensors) and returns them."""
+  import torch
+  tq, hq, d = q.shape
+  hkv = k.shape[1]
+  delta = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
+  _bwd_delta_kernel[(triton.cdiv(tq * hq, _DELTA_BLOCK),)](
+      out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
+      BLOCK=_DELTA_BLOCK, num_warps=4)
+  strides = _strides(q, k, v, g)
+  meta = dict(INTERPRETED=interpreted(), **_bwd_meta(statics, config))
+  _bwd_dkdv_kernel[(k_tiles.shape[1], hkv)](
+      q, k, v, g, lse, delta, seqs, k_tiles, dk, dv, seqs.shape[1], *strides,
+      hq, *_strides(dk, dv), num_warps=config.bwd_num_warps, num_stages=1,
+      **meta)
+  _bwd_dq_kernel[(q_tiles.shape[1], hq)](
+      q, k, v, g, lse, delta, seqs, q_tiles, dq, seqs.shape[1], *strides, hq,
+      *_strides(dq), num_warps=config.bwd_num_warps, num_stages=1, **meta)
+  return dq, dk, dv
+
+
+def tile_bound(n_rows: int, n_seqs: int, rows_per_tile: int) -> int:
+  """An upper bound, from static sizes alone, on the tiles that sequences
+  of `n_rows` rows in all need: sum ceil(len / r) <= n_rows / r + n_seqs."""
+  return max(1, math.ceil(n_rows / rows_per_tile) + n_seqs)
