@@ -90,6 +90,10 @@ def interpreter_config(head_dim: int) -> AttentionConfig:
 if triton is not None:
   from triton_kernels.det_matmul import mma_step
 
+  # A @triton.jit function reads a module global only as a constexpr.
+  _LOG2E = tl.constexpr(LOG2E)
+  _LN2 = tl.constexpr(LN2)
+
   @triton.jit
   def _scores(a, b, scale2, softcap2, BLOCK_A: tl.constexpr,
               BLOCK_B: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -181,7 +185,7 @@ if triton is not None:
         m_i = m_new
       seen = l_i > 0.0
       out = acc / tl.where(seen, l_i, 1.0)[:, None]
-      lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2,
+      lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2,
                      float("-inf"))
       tl.store(o_ptr + q_rows[:, None] * stride_ot
                + head[:, None].to(tl.int64) * stride_oh + d[None, :],
@@ -261,7 +265,7 @@ if triton is not None:
                        + head * stride_doh + d[None, :],
                        mask=row_ok[:, None], other=0.0)
           lse2 = tl.load(lse_ptr + q_rows * stride_lt + head, mask=row_ok,
-                         other=0.0) * LOG2E
+                         other=0.0) * _LOG2E
           delta = tl.load(delta_ptr + q_rows * stride_lt + head, mask=row_ok,
                           other=0.0)
           st, tt = _scores(k, qt, scale2, softcap2, BLOCK_N, BLOCK_M,
@@ -319,7 +323,7 @@ if triton is not None:
       do = tl.load(do_ptr + q_rows[:, None] * stride_dot + head * stride_doh
                    + d[None, :], mask=row_ok[:, None], other=0.0)
       lse2 = tl.load(lse_ptr + q_rows * stride_lt + head, mask=row_ok,
-                     other=0.0) * LOG2E
+                     other=0.0) * _LOG2E
       delta = tl.load(delta_ptr + q_rows * stride_lt + head, mask=row_ok,
                       other=0.0)
       hi = k_len - q_len + tl.minimum(i0 + BLOCK_M, q_len)
