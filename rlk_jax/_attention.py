@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from rlk_jax import _dispatch, reference
 from triton_kernels import backend as triton_backend
 
-DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -252,22 +251,30 @@ def heads_per_tile(layout: str, q_shape, group: int) -> int:
   return group if q_shape[1] * group <= block_m else 1
 
 
-def _check_operands(q, k, v, layout):
-  if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
+                   causal=True, sliding_window=None, softcap=None) -> None:
+  """Every route's checks, on plain shapes and dtype names (no framework
+  objects: torch.compile traces the bridge's call of it)."""
+  if not causal:
+    raise NotImplementedError(
+        "det_attention: only causal attention is implemented (causal=False "
+        "is not)")
+  q_shape, k_shape, v_shape = (tuple(s) for s in (q_shape, k_shape, v_shape))
+  if dtypes[0] not in ("bfloat16", "float16") or len(set(dtypes)) != 1:
     raise TypeError("det_attention: q, k, v must share one dtype of "
-                    f"bfloat16/float16, got {q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape != v.shape:
-    raise ValueError(f"det_attention: k {k.shape} and v {v.shape} differ")
-  lead = q.ndim - 2
-  if q.ndim not in (3, 4) or k.ndim != q.ndim:
+                    f"bfloat16/float16, got {', '.join(dtypes)}")
+  if k_shape != v_shape:
+    raise ValueError(f"det_attention: k {k_shape} and v {v_shape} differ")
+  if len(q_shape) not in (3, 4) or len(k_shape) != len(q_shape):
     raise ValueError(
         f"det_attention ({layout}): q and k must both be [T, H, D] or [B, S, "
-        f"H, D], got q {q.shape}, k {k.shape}")
-  hq, d = q.shape[-2:]
-  hkv = k.shape[-2]
-  if k.shape[-1] != d:
-    raise ValueError(f"det_attention: head dims differ: q {q.shape}, k "
-                     f"{k.shape}")
+        f"H, D], got q {q_shape}, k {k_shape}")
+  lead = len(q_shape) - 2
+  hq, d = q_shape[-2:]
+  hkv = k_shape[-2]
+  if k_shape[-1] != d:
+    raise ValueError(f"det_attention: head dims differ: q {q_shape}, k "
+                     f"{k_shape}")
   if d not in HEAD_DIMS:
     raise NotImplementedError(
         f"det_attention: head dim {d} is not supported (supported: "
@@ -275,12 +282,17 @@ def _check_operands(q, k, v, layout):
   if hkv == 0 or hq % hkv:
     raise ValueError(f"det_attention: {hq} query heads are not a multiple of "
                      f"{hkv} KV heads")
-  if layout != "kv cache" and k.shape[:lead] != q.shape[:lead]:
-    raise ValueError(f"det_attention ({layout}): q {q.shape} and k {k.shape} "
+  if layout != "kv cache" and k_shape[:lead] != q_shape[:lead]:
+    raise ValueError(f"det_attention ({layout}): q {q_shape} and k {k_shape} "
                      "must have the same tokens")
-  if layout == "kv cache" and k.shape[0] != q.shape[0]:
-    raise ValueError(f"det_attention: q {q.shape} and the cache {k.shape} "
+  if layout == "kv cache" and k_shape[0] != q_shape[0]:
+    raise ValueError(f"det_attention: q {q_shape} and the cache {k_shape} "
                      "must have the same batch")
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"det_attention: sliding_window must be >= 1, got "
+                     f"{sliding_window}")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"det_attention: softcap must be > 0, got {softcap}")
 
 
 def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
@@ -313,10 +325,6 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   k and v (reverse mode), with deterministic gradients that do not depend on
   what else shares the batch.
   """
-  if not causal:
-    raise NotImplementedError(
-        "det_attention: only causal attention is implemented (causal=False "
-        "is not)")
   q, k, v = (jnp.asarray(x) for x in (q, k, v))
   if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
     raise ValueError("det_attention: give at most one of cu_seqlens, info, "
@@ -328,15 +336,12 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
     cu_seqlens = info.cu_seqlens
   layout = ("kv cache" if kv_lens is not None else
             "packed" if q.ndim == 3 else "padded")
-  _check_operands(q, k, v, layout)
+  check_operands(q.shape, k.shape, v.shape,
+                 tuple(str(x.dtype) for x in (q, k, v)), layout,
+                 causal=causal, sliding_window=sliding_window, softcap=softcap)
   hq, d = q.shape[-2:]
   hkv = k.shape[-2]
   group = hq // hkv
-  if sliding_window is not None and sliding_window < 1:
-    raise ValueError(f"det_attention: sliding_window must be >= 1, got "
-                     f"{sliding_window}")
-  if softcap is not None and not softcap > 0:
-    raise ValueError(f"det_attention: softcap must be > 0, got {softcap}")
   bad_rows = None
   if layout == "packed":
     if mask is not None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import math
 
-import jax
 import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_op, _library
-from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
-
-
-def _spec(t: torch.Tensor) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype(t.dtype))
+from rlk_torch_bridge._dlpack import check_same_device, check_tensor
 
 
 def _ints(t, what, device):
@@ -91,10 +86,6 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   D]`` padded / against a KV cache; ``info`` is the bridge's ``PackInfo``).
   On CUDA tensors the masks' checks run on the device (a gap in a padded
   row's mask makes that row NaN instead of raising: no host sync)."""
-  if not causal:
-    raise NotImplementedError(
-        "det_attention: only causal attention is implemented (causal=False "
-        "is not)")
   for name, t in (("q", q), ("k", k), ("v", v)):
     check_tensor("det_attention", name, t)
   check_same_device("det_attention", q=q, k=k, v=v)
@@ -108,18 +99,16 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     cu_seqlens = info.cu_seqlens
   layout = ("kv cache" if kv_lens is not None else
             "packed" if q.ndim == 3 else "padded")
-  _attention._check_operands(_spec(q), _spec(k), _spec(v), layout)
+  _attention.check_operands(
+      q.shape, k.shape, v.shape,
+      tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v)), layout,
+      causal=causal, sliding_window=sliding_window, softcap=softcap)
   if layout == "packed" and mask is not None:
     raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
                      "layout; packed rows take cu_seqlens or info")
   if layout == "padded" and cu_seqlens is not None:
     raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
                      "rows, not a padded [B, S, H, D] batch")
-  if sliding_window is not None and sliding_window < 1:
-    raise ValueError(f"det_attention: sliding_window must be >= 1, got "
-                     f"{sliding_window}")
-  if softcap is not None and not softcap > 0:
-    raise ValueError(f"det_attention: softcap must be > 0, got {softcap}")
   hq, d = q.shape[-2:]
   seqs, contiguous = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start)
   heads_per_tile = _attention.heads_per_tile(layout, q.shape, hq // k.shape[-2])

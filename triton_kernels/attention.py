@@ -120,6 +120,40 @@ if triton is not None:
     return ok
 
   @triton.jit
+  def _fwd_block(q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len,
+                 pos, row_ok, d, stride_kt, stride_vt, scale2, softcap2,
+                 window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                 MASKED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One key block of the online softmax for every row of the tile."""
+    j = start + tl.arange(0, BLOCK_N)
+    kv_rows = (k_start + j).to(tl.int64)
+    if MASKED:
+      in_seq = j < k_len
+      kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None],
+                   mask=in_seq[None, :], other=0.0)
+    else:
+      kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None])
+    s, _ = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
+                   INTERPRETED)
+    if MASKED:
+      s = tl.where(_visible(pos, j, row_ok, window, WINDOWED), s,
+                   float("-inf"))
+      m_new = tl.maximum(m_i, tl.max(s, 1))
+      m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+      v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :],
+                  mask=in_seq[:, None], other=0.0)
+    else:
+      m_new = tl.maximum(m_i, tl.max(s, 1))
+      m_use = m_new
+      v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = mma_step(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
+    return m_new, l_i, acc
+
+  @triton.jit
   def _fwd_kernel(q_ptr, k_ptr, v_ptr, seqs_ptr, tiles_ptr, o_ptr, lse_ptr,
                   n_seqs, stride_qt, stride_qh, stride_kt, stride_kh,
                   stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
@@ -164,25 +198,22 @@ if triton is not None:
       m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
       l_i = tl.zeros((BLOCK_M,), tl.float32)
       acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-      for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        kv_rows = (k_start + j).to(tl.int64)
-        in_seq = j < k_len
-        kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None],
-                     mask=in_seq[None, :], other=0.0)
-        s, _ = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
-                       INTERPRETED)
-        s = tl.where(_visible(pos, j, row_ok, window, WINDOWED), s,
-                     float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :],
-                    mask=in_seq[:, None], other=0.0)
-        acc = mma_step(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
-        m_i = m_new
+      full = lo
+      if not WINDOWED:
+        # Keys every row of the tile sees (up to its first row's position):
+        # no masks there, the same bits (a mask that keeps every score
+        # changes none, and every row's running max is finite).
+        full = ((k_len - q_len + i0 + 1) // BLOCK_N) * BLOCK_N
+        for start in range(0, full, BLOCK_N):
+          m_i, l_i, acc = _fwd_block(
+              q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
+              row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
+              BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, INTERPRETED)
+      for start in range(full, hi, BLOCK_N):
+        m_i, l_i, acc = _fwd_block(
+            q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
+            row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
+            BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, INTERPRETED)
       seen = l_i > 0.0
       out = acc / tl.where(seen, l_i, 1.0)[:, None]
       lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2,
