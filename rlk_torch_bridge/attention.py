@@ -119,9 +119,11 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),
       heads_per_tile, implementation)
-  covered = _attention_op._covered(seqs[0], seqs[1], out.shape[0])
-  out = torch.where(covered[:, None, None], out, 0)
-  lse = torch.where(covered[:, None], lse, float("-inf"))
+  if layout == "packed" or mask is not None:
+    # Rows outside every sequence (a pack's spare capacity, padding): 0.
+    covered = _attention_op._covered(seqs[0], seqs[1], out.shape[0])
+    out = torch.where(covered[:, None, None], out, 0)
+    lse = torch.where(covered[:, None], lse, float("-inf"))
   if contiguous is not None:
     bad = (~contiguous).repeat_interleave(q.shape[1])
     out = out.masked_fill(bad[:, None, None], float("nan"))

@@ -70,7 +70,7 @@ class AttentionConfig:
 # fixes the online softmax's blocks): changing it changes every bit.
 _CONFIGS = {
     64: AttentionConfig(128, 64, 4, 3, 64, 64, 4),
-    128: AttentionConfig(128, 64, 8, 2, 64, 64, 4),
+    128: AttentionConfig(128, 64, 8, 3, 64, 64, 4),
     256: AttentionConfig(64, 32, 4, 2, 32, 32, 4),
 }
 
