@@ -251,6 +251,27 @@ def heads_per_tile(layout: str, q_shape, group: int) -> int:
   return group if q_shape[1] * group <= block_m else 1
 
 
+def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start):
+  """(layout name, cu_seqlens) from which layout arguments a call gives."""
+  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
+    raise ValueError("det_attention: give at most one of cu_seqlens, info, "
+                     "mask and kv_lens (they name the layout)")
+  if kv_start is not None and kv_lens is None:
+    raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
+                     "layout)")
+  if info is not None:
+    cu_seqlens = info.cu_seqlens
+  layout = ("kv cache" if kv_lens is not None else
+            "packed" if q_ndim == 3 else "padded")
+  if layout == "packed" and mask is not None:
+    raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
+                     "layout; packed rows take cu_seqlens or info")
+  if layout == "padded" and cu_seqlens is not None:
+    raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
+                     "rows, not a padded [B, S, H, D] batch")
+  return layout, cu_seqlens
+
+
 def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
                    causal=True, sliding_window=None, softcap=None) -> None:
   """Every route's checks, on plain shapes and dtype names (no framework
@@ -326,16 +347,8 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   what else shares the batch.
   """
   q, k, v = (jnp.asarray(x) for x in (q, k, v))
-  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
-    raise ValueError("det_attention: give at most one of cu_seqlens, info, "
-                     "mask and kv_lens (they name the layout)")
-  if kv_start is not None and kv_lens is None:
-    raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
-                     "layout)")
-  if info is not None:
-    cu_seqlens = info.cu_seqlens
-  layout = ("kv cache" if kv_lens is not None else
-            "packed" if q.ndim == 3 else "padded")
+  layout, cu_seqlens = layout_of(q.ndim, cu_seqlens, info, mask, kv_lens,
+                                 kv_start)
   check_operands(q.shape, k.shape, v.shape,
                  tuple(str(x.dtype) for x in (q, k, v)), layout,
                  causal=causal, sliding_window=sliding_window, softcap=softcap)
@@ -344,16 +357,10 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   group = hq // hkv
   bad_rows = None
   if layout == "packed":
-    if mask is not None:
-      raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
-                       "layout; packed rows take cu_seqlens or info")
     t = q.shape[0]
     seqs = _packed_seqs(t, jnp.array([0, t]) if cu_seqlens is None
                         else cu_seqlens)
   elif layout == "padded":
-    if cu_seqlens is not None:
-      raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
-                       "rows, not a padded [B, S, H, D] batch")
     b, s = q.shape[:2]
     seqs, contiguous = _padded_seqs(b, s, mask)
     if contiguous is not None:

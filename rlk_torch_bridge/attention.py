@@ -89,26 +89,12 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   for name, t in (("q", q), ("k", k), ("v", v)):
     check_tensor("det_attention", name, t)
   check_same_device("det_attention", q=q, k=k, v=v)
-  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
-    raise ValueError("det_attention: give at most one of cu_seqlens, info, "
-                     "mask and kv_lens (they name the layout)")
-  if kv_start is not None and kv_lens is None:
-    raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
-                     "layout)")
-  if info is not None:
-    cu_seqlens = info.cu_seqlens
-  layout = ("kv cache" if kv_lens is not None else
-            "packed" if q.ndim == 3 else "padded")
+  layout, cu_seqlens = _attention.layout_of(q.ndim, cu_seqlens, info, mask,
+                                            kv_lens, kv_start)
   _attention.check_operands(
       q.shape, k.shape, v.shape,
       tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v)), layout,
       causal=causal, sliding_window=sliding_window, softcap=softcap)
-  if layout == "packed" and mask is not None:
-    raise ValueError("det_attention: mask goes with the padded [B, S, H, D] "
-                     "layout; packed rows take cu_seqlens or info")
-  if layout == "padded" and cu_seqlens is not None:
-    raise ValueError("det_attention: cu_seqlens goes with packed [T, H, D] "
-                     "rows, not a padded [B, S, H, D] batch")
   hq, d = q.shape[-2:]
   seqs, contiguous = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start)
   heads_per_tile = _attention.heads_per_tile(layout, q.shape, hq // k.shape[-2])

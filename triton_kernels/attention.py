@@ -95,6 +95,18 @@ if triton is not None:
   _LN2 = tl.constexpr(LN2)
 
   @triton.jit
+  def _tile(tiles_ptr, seqs_ptr, n_seqs):
+    """This program's tile: its sequence (-1: no work), its first row in
+    the sequence, and the sequence's q_start, q_len, k_start, k_len."""
+    tile = tl.program_id(0)
+    seq = tl.load(tiles_ptr + tile)
+    s = tl.maximum(seq, 0)
+    return (seq, tl.load(tiles_ptr + tl.num_programs(0) + tile),
+            tl.load(seqs_ptr + s), tl.load(seqs_ptr + n_seqs + s),
+            tl.load(seqs_ptr + 2 * n_seqs + s),
+            tl.load(seqs_ptr + 3 * n_seqs + s))
+
+  @triton.jit
   def _scores(a, b, scale2, softcap2, BLOCK_A: tl.constexpr,
               BLOCK_B: tl.constexpr, SOFTCAP: tl.constexpr,
               INTERPRETED: tl.constexpr):
@@ -165,15 +177,9 @@ if triton is not None:
                   INTERPRETED: tl.constexpr):
     # seqs: int32 [4, n_seqs] = q_start, q_len, k_start, k_len;
     # tiles: int32 [2, n_tiles] = sequence (-1: no work), first query.
-    tile = tl.program_id(0)
-    n_tiles = tl.num_programs(0)
-    seq = tl.load(tiles_ptr + tile)
+    seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
+                                                        n_seqs)
     if seq >= 0:
-      i0 = tl.load(tiles_ptr + n_tiles + tile)
-      q_start = tl.load(seqs_ptr + seq)
-      q_len = tl.load(seqs_ptr + n_seqs + seq)
-      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
-      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
       TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
       r = tl.arange(0, BLOCK_M)
       i = i0 + r // HEADS_PER_TILE          # query index in the sequence
@@ -256,15 +262,9 @@ if triton is not None:
     # query heads, then its queries in BLOCK_M blocks from the sequence's
     # first query, in order: no atomics, and a key's gradient sums over its
     # own sequence's queries in blocks that nothing else moves.
-    tile = tl.program_id(0)
-    n_tiles = tl.num_programs(0)
-    seq = tl.load(tiles_ptr + tile)
+    seq, j0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
+                                                        n_seqs)
     if seq >= 0:
-      j0 = tl.load(tiles_ptr + n_tiles + tile)
-      q_start = tl.load(seqs_ptr + seq)
-      q_len = tl.load(seqs_ptr + n_seqs + seq)
-      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
-      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
       kv_head = tl.program_id(1)
       j = j0 + tl.arange(0, BLOCK_N)
       in_seq = j < k_len
@@ -333,15 +333,9 @@ if triton is not None:
                      WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
     # One program: BLOCK_M queries of one sequence and one head, walking
     # the sequence's keys in blocks from key 0 in order.
-    tile = tl.program_id(0)
-    n_tiles = tl.num_programs(0)
-    seq = tl.load(tiles_ptr + tile)
+    seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
+                                                        n_seqs)
     if seq >= 0:
-      i0 = tl.load(tiles_ptr + n_tiles + tile)
-      q_start = tl.load(seqs_ptr + seq)
-      q_len = tl.load(seqs_ptr + n_seqs + seq)
-      k_start = tl.load(seqs_ptr + 2 * n_seqs + seq)
-      k_len = tl.load(seqs_ptr + 3 * n_seqs + seq)
       head = tl.program_id(1).to(tl.int64)
       kv_head = head // GROUP
       i = i0 + tl.arange(0, BLOCK_M)
