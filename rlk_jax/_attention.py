@@ -50,20 +50,29 @@ class Settings:
   softcap: float | None
   window: int | None
   heads_per_tile: int
+  split_chunks: int = 0   # decode: key chunks in parallel programs
 
 
-def _block_n(head_dim: int) -> int:
-  """The online softmax's block: the reference walks the kernels' blocks
-  (the interpreter's in CPU tests of the kernels are smaller; bits are not
-  promised between the reference and the kernels)."""
+# The kernels' blocks and chunks per head dim, for the reference and the
+# decode plan where Triton is not installed.
+_BLOCKS = {64: (128, 64, 512), 128: (128, 64, 512), 256: (64, 32, 512)}
+
+
+def _blocks(head_dim: int) -> tuple[int, int, int]:
+  """(block_m, block_n, fold_keys) of the kernels: the reference walks the
+  kernels' blocks and chunks (the interpreter's in CPU tests of the kernels
+  are smaller; bits are not promised between the reference and the
+  kernels)."""
   if triton_backend.triton is None:
-    return {64: 64, 128: 64, 256: 32}[head_dim]
-  return _kernels().config_for(head_dim).block_n
+    return _BLOCKS[head_dim]
+  c = _kernels().config_for(head_dim)
+  return c.block_m, c.block_n, c.fold_keys
 
 
 def _reference_fwd(q, k, v, seqs, settings: Settings):
+  _, block_n, fold_keys = _blocks(settings.head_dim)
   return reference.attention(q, k, v, seqs, scale=settings.scale,
-                             block_n=_block_n(settings.head_dim),
+                             block_n=block_n, fold_keys=fold_keys,
                              softcap=settings.softcap, window=settings.window)
 
 
@@ -88,7 +97,7 @@ def _triton_fwd(q, k, v, seqs, settings: Settings):
   n_tiles = kernels.tile_bound(q.shape[0], seqs.shape[1], tokens)
   tiles = _tile_map(seqs[1], tokens, n_tiles)
   return kernels.forward_jax(q, k, v, seqs, tiles, _statics(settings),
-                             config, hpt)
+                             config, hpt, settings.split_chunks)
 
 
 def covered_rows(starts, lengths, n: int):
@@ -239,16 +248,24 @@ def _cache_seqs(b: int, n: int, s_cache: int, kv_lens, kv_start):
                     kv_lens])
 
 
-def heads_per_tile(layout: str, q_shape, group: int) -> int:
-  """Query heads per forward program. Decode packs a KV head's whole group
-  into one program's rows (its cache read once instead of `group` times);
-  rows are independent, so this changes no bit. A power-of-two group only,
-  so the heads tile the rows exactly."""
-  if layout != "kv cache" or group & (group - 1):
-    return 1
-  block_m = (_kernels().config_for(q_shape[-1]).block_m
-             if triton_backend.triton is not None else 64)
-  return group if q_shape[1] * group <= block_m else 1
+def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
+  """(query heads per forward program, key chunks run in parallel). Both
+  change no bit: rows are independent, and parallel chunks fold as one
+  program folds them. Only a KV-cache call uses them: its few query rows
+  would leave most of the GPU idle walking long contexts one block at a
+  time. A power-of-two group packs into one program's rows (its cache
+  read once) when there is work enough to fill the GPU without."""
+  if layout != "kv cache":
+    return 1, 0
+  block_m, _, fold = _blocks(q_shape[-1])
+  b, n, s_cache, hkv = q_shape[0], q_shape[1], k_shape[1], k_shape[2]
+  chunks = -(-s_cache // fold)
+  split = chunks if chunks > 1 else 0
+  hpt = 1
+  if (group & (group - 1) == 0 and n * group <= block_m
+      and b * hkv * chunks >= 256):
+    hpt = group
+  return hpt, split
 
 
 def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start):
@@ -370,12 +387,12 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
     seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)
   # Decode: one program holds a KV head's whole group of query heads (its
   # cache read once); rows are independent, so no bit changes.
-  heads_per_tile_ = heads_per_tile(layout, q.shape, group)
+  heads_per_tile, split_chunks = decode_plan(layout, q.shape, k.shape, group)
   settings = Settings(group, d, float(1.0 / math.sqrt(d) if scale is None
                                       else scale),
                       None if softcap is None else float(softcap),
                       None if sliding_window is None else int(sliding_window),
-                      heads_per_tile_)
+                      heads_per_tile, split_chunks)
   impl = TABLE.select(implementation).name
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention(impl, settings, flat(q), flat(k), flat(v), seqs)

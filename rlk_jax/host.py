@@ -221,7 +221,8 @@ def collate_rl(prompts, responses, rewards, loss_masks, logprobs=None, *,
         if not hasattr(rewards, "shape") else _to_numpy(rewards).astype(np.float32)
     token_rewards = np.zeros((n, max_len), np.float32)
     has_response = r_len > 0
-    token_rewards[has_response, max_len - 1] = scalars[has_response]
+    if has_response.any():  # max_len may be 0 (every sample empty)
+      token_rewards[has_response, max_len - 1] = scalars[has_response]
     out["rewards"], out["sequence_rewards"] = token_rewards, scalars
   else:
     out["rewards"], vals = per_token(rewards, "rewards")

@@ -95,7 +95,7 @@ def _elementwise(fn, x: jax.Array) -> jax.Array:
   return rowwise(fn, x.reshape(-1)).reshape(x.shape)
 
 
-def attention(q, k, v, seqs, *, scale: float, block_n: int,
+def attention(q, k, v, seqs, *, scale: float, block_n: int, fold_keys: int,
               softcap: float | None = None, window: int | None = None):
   """Causal attention of packed rows, block by block, as the kernels walk it.
 
@@ -108,9 +108,11 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int,
   f32); rows no sequence covers are 0 (lse -inf).
 
   The keys go in blocks of `block_n` counted from each sequence's first
-  key, with the online softmax's update after each block; products and sums
-  are explicit loops in a fixed order, so a row's bits depend only on its
-  sequence's data up to its position, on any backend.
+  key, with the online softmax's update after each block; every `fold_keys`
+  keys the chunk's softmax state folds into a running total and starts
+  afresh (the kernels' chunks, which a decode step runs in parallel).
+  Products and sums are explicit loops in a fixed order, so a row's bits
+  depend only on its sequence's data up to its position, on any backend.
   """
   tq, hq, dim = q.shape
   tk, hkv, _ = k.shape
@@ -156,10 +158,27 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int,
         p[..., None, :], jnp.moveaxis(vb, 1, -1), block_n)
     return m_new, l, acc
 
-  init = (jnp.full((tq, hq), -jnp.inf, jnp.float32),
-          jnp.zeros((tq, hq), jnp.float32),
-          jnp.zeros((tq, hq, dim), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, -(-tk // block_n), block, init)
+  def empty():
+    return (jnp.full((tq, hq), -jnp.inf, jnp.float32),
+            jnp.zeros((tq, hq), jnp.float32),
+            jnp.zeros((tq, hq, dim), jnp.float32))
+
+  per_chunk = fold_keys // block_n
+
+  def chunk(c, total):
+    # Static trip counts: reverse mode differentiates these loops.
+    m, l, acc = jax.lax.fori_loop(
+        0, per_chunk, lambda i, carry: block(c * per_chunk + i, carry),
+        empty())
+    m_run, l_run, acc_run = total
+    m_new = jnp.maximum(m_run, m)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    a = _elementwise(jnp.exp2, m_run - m_use)
+    b = _elementwise(jnp.exp2, m - m_use)
+    return (m_new, l_run * a + l * b,
+            acc_run * a[..., None] + acc * b[..., None])
+
+  m, l, acc = jax.lax.fori_loop(0, -(-tk // fold_keys), chunk, empty())
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
   out = acc / l_safe[..., None]

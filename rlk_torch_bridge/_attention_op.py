@@ -22,17 +22,17 @@ from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, float scale, "
                   "float? softcap, int? window, int heads_per_tile, "
-                  "str? implementation) -> (Tensor, Tensor)")
+                  "int split_chunks, str? implementation) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
                    "Tensor lse, Tensor g, float scale, float? softcap, "
                    "int? window, str implementation) "
                    "-> (Tensor, Tensor, Tensor)")
 
 
-def settings(q, k, scale, softcap, window, heads_per_tile):
+def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0):
   hq, d = q.shape[1:]
   return _attention.Settings(hq // k.shape[1], d, scale, softcap, window,
-                             heads_per_tile)
+                             heads_per_tile, split_chunks)
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,9 +74,9 @@ def _jax_backward(impl, settings_, q, k, v, seqs, out, lse, g):
 
 
 def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                    implementation):
+                    split_chunks, implementation):
   impl = choose(implementation, platform_of(q))
-  s = settings(q, k, scale, softcap, window, heads_per_tile)
+  s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
   if impl == "triton" and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
@@ -86,7 +86,8 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     kernels.forward_torch(q, k, v, seqs, tiles, out, lse,
-                          _attention._statics(s), config, heads_per_tile)
+                          _attention._statics(s), config, heads_per_tile,
+                          split_chunks)
     return out, lse
   _library.refuse_capture("det_attention", impl, q.device)
   out, lse = _jax_forward(impl, s, *to_jax_all(q, k, v, seqs,
@@ -95,7 +96,7 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
 
 
 def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                  implementation):
+                  split_chunks, implementation):
   return (torch.empty_like(q),
           q.new_empty(q.shape[:2], dtype=torch.float32))
 
@@ -134,10 +135,11 @@ class DetAttention(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, q, k, v, seqs, scale, softcap, window, heads_per_tile,
-              implementation):
+              split_chunks, implementation):
     impl = choose(implementation, platform_of(q))
     out, lse = _library.below_autograd(
-        FORWARD, q, k, v, seqs, scale, softcap, window, heads_per_tile, impl)
+        FORWARD, q, k, v, seqs, scale, softcap, window, heads_per_tile,
+        split_chunks, impl)
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, seqs, out, lse)
     ctx.static = (scale, softcap, window, impl)
@@ -150,7 +152,7 @@ class DetAttention(torch.autograd.Function):
     g = torch.zeros_like(out) if g is None else g.to(q.dtype).contiguous()
     dq, dk, dv = _library.below_autograd(BACKWARD, q, k, v, seqs, out, lse, g,
                                          *ctx.static)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _differentiable(q, k, v, *_):

@@ -97,14 +97,15 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       causal=causal, sliding_window=sliding_window, softcap=softcap)
   hq, d = q.shape[-2:]
   seqs, contiguous = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start)
-  heads_per_tile = _attention.heads_per_tile(layout, q.shape, hq // k.shape[-2])
+  heads_per_tile, split_chunks = _attention.decode_plan(
+      layout, q.shape, k.shape, hq // k.shape[-2])
   flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
   out, lse = _library.call(
       _attention_op.FORWARD, flat(q), flat(k), flat(v), seqs.contiguous(),
       float(1.0 / math.sqrt(d) if scale is None else scale),
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),
-      heads_per_tile, implementation)
+      heads_per_tile, split_chunks, implementation)
   if layout == "packed" or mask is not None:
     # Rows outside every sequence (a pack's spare capacity, padding): 0.
     covered = _attention_op._covered(seqs[0], seqs[1], out.shape[0])

@@ -120,7 +120,9 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
   three, against the whole sequence computed at once, in a batch whose
   sequences have other lengths and a left-padded cache slot."""
   hq, hkv, d = HEADS
-  n_total, slots = 40, 48
+  # On the GPU the cache spans three fold chunks: the decode runs them in
+  # parallel programs (rlk_jax._attention.decode_plan).
+  n_total, slots = (1100, 1300) if ON_GPU else (40, 48)
   seqs = sequences(rng, [n_total, 29], hq, hkv, d)
   full = route.attend(*(route.array(x) for x in seqs[0]))
   ks = np.full((2, slots, hkv, d), 5.0, np.float32)
@@ -129,7 +131,8 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
   ks[0, offset:offset + n_total], vs[0, offset:offset + n_total] = seqs[0][1:]
   ks[1, :29], vs[1, :29] = seqs[1][1:]
   kc, vc = route.array(ks), route.array(vs)
-  for pos, n in [(0, 1), (16, 1), (31, 1), (32, 3), (39, 1)]:
+  for pos, n in [(0, 1), (16, 1), (31, 1), (32, 3), (n_total - 1, 1)] + (
+      [(511, 1), (512, 1), (1023, 2)] if ON_GPU else []):
     qn = np.zeros((2, n, hq, d), np.float32)
     qn[0] = seqs[0][0][pos:pos + n]
     qn[1] = seqs[1][0][:n]

@@ -1,9 +1,9 @@
-"""triton_kernels.attention on CPU, in Triton's interpreter (conftest sets
-TRITON_INTERPRET=1 without a GPU), launched as the torch bridge launches
-it, with small tiles: a row's output and gradients alone vs in a ragged
-pack, decode vs prefill (one and several query heads per program), against
-float64. The device runs the same contract at the GPU tiles
-(test_attention.py on a GPU)."""
+"""triton_kernels.attention launched as the torch bridge launches it: on
+CPU in Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU)
+with small tiles, on a GPU with the device's: a row's output and gradients
+alone vs in a ragged pack, decode vs prefill (one and several query heads
+per program, key chunks in one program or split over several), against
+float64."""
 
 import os
 
@@ -20,32 +20,35 @@ from triton_kernels import attention as kernels  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
-        ON_GPU or os.environ.get("TRITON_INTERPRET") != "1",
-        reason="the interpreter runs on CPU machines"),
+        not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="CPUs run the kernels in Triton's interpreter only"),
     pytest.mark.filterwarnings(
         "ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
 ]
 
 HQ, HKV, D = 4, 2, 64
-CONFIG = kernels.interpreter_config(D)
+# On a GPU the same tests run the device's own tiles (test_attention.py
+# covers the routes around them).
+CONFIG = kernels.config_for(D) if ON_GPU else kernels.interpreter_config(D)
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 def _t(x):
-  return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16)
+  return torch.from_numpy(np.ascontiguousarray(x)).to(DEVICE, torch.bfloat16)
 
 
 def _seqs(rows):  # [(q_start, q_len, k_start, k_len)] -> int32 [4, B]
-  return torch.tensor(np.asarray(rows, np.int32).T.copy())
+  return torch.tensor(np.asarray(rows, np.int32).T.copy(), device=DEVICE)
 
 
-def forward(q, k, v, seqs, statics, heads_per_tile=1):
+def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0):
   tokens = CONFIG.block_m // heads_per_tile
   tiles = _attention_op._tile_map(seqs[1], tokens, kernels.tile_bound(
       q.shape[0], seqs.shape[1], tokens))
   out = torch.full_like(q, float("nan"))  # poisoned: every row is written
-  lse = torch.full(q.shape[:2], float("nan"))
+  lse = torch.full(q.shape[:2], float("nan"), device=q.device)
   return kernels.forward_torch(q, k, v, seqs, tiles, out, lse, statics,
-                               CONFIG, heads_per_tile)
+                               CONFIG, heads_per_tile, split_chunks)
 
 
 def backward(q, k, v, seqs, g, statics):
@@ -79,19 +82,28 @@ def test_pack_equals_alone_forward_and_backward(rng, window, softcap):
     for a, b in zip(backward(*map(_t, s), one, _t(g[start:start + n]),
                              statics), grads):
       assert np.array_equal(bits(a), bits(b[start:start + n]))
-    want = dense_f64(*(_t(x).double().numpy() for x in s), window=window,
-                     softcap=softcap)
-    assert rel_err(alone.double().numpy(), want) < 1e-2
+    want = dense_f64(*(_t(x).double().cpu().numpy() for x in s),
+                     window=window, softcap=softcap)
+    assert rel_err(alone.double().cpu().numpy(), want) < 1e-2
 
 
-@pytest.mark.parametrize("heads_per_tile", [1, 2])
-def test_decode_equals_prefill(rng, heads_per_tile):
-  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, None)
-  (q, k, v), = sequences(rng, [40], HQ, HKV, D)
-  full, full_lse = forward(_t(q), _t(k), _t(v), _seqs([(0, 40, 0, 40)]),
+@pytest.mark.parametrize("heads_per_tile,split", [(1, False), (2, False),
+                                                  (1, True), (2, True)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_equals_prefill(rng, heads_per_tile, split, window):
+  """One token against the cache, in one program or with its key chunks
+  (three of them) in parallel programs folded by a second kernel: the
+  prefill's bits."""
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, window)
+  fold = CONFIG.fold_keys
+  n = 2 * fold + 6
+  (q, k, v), = sequences(rng, [n], HQ, HKV, D)
+  full, full_lse = forward(_t(q), _t(k), _t(v), _seqs([(0, n, 0, n)]),
                            statics)
-  for pos in (0, 15, 16, 17, 39):
+  chunks = -(-n // CONFIG.fold_keys) if split else 0
+  for pos in (0, 15, fold - 1, fold, fold + 15, n - 1):
     out, lse = forward(_t(q[pos:pos + 1]), _t(k), _t(v),
-                       _seqs([(0, 1, 0, pos + 1)]), statics, heads_per_tile)
+                       _seqs([(0, 1, 0, pos + 1)]), statics, heads_per_tile,
+                       chunks)
     assert np.array_equal(bits(out[0]), bits(full[pos])), pos
     assert torch.equal(lse[0], full_lse[pos])

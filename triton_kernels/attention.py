@@ -64,6 +64,10 @@ class AttentionConfig:
   bwd_block_m: int
   bwd_block_n: int
   bwd_num_warps: int
+  # Keys per chunk: each chunk's online softmax starts afresh and chunks
+  # fold into the running total in order, so a decode step can run its
+  # chunks in parallel programs and fold them after (the same bits).
+  fold_keys: int = 512
 
 
 # Per head dimension. The forward's block_n is part of the contract (it
@@ -84,7 +88,7 @@ def config_for(head_dim: int) -> AttentionConfig:
 def interpreter_config(head_dim: int) -> AttentionConfig:
   """Smaller tiles for Triton's interpreter (the CPU tests): the same code
   paths, a tenth of the time."""
-  return AttentionConfig(32, 16, 4, 1, 16, 16, 4)
+  return AttentionConfig(32, 16, 4, 1, 16, 16, 4, fold_keys=32)
 
 
 if triton is not None:
@@ -166,6 +170,91 @@ if triton is not None:
     return m_new, l_i, acc
 
   @triton.jit
+  def _fwd_chunk(q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos,
+                 row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr,
+                 WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(m, l, acc) of keys [c_lo, c_hi) for every row, from a fresh state.
+    Blocks below `full` are visible to every row: no masks there (a mask
+    that keeps every score changes none, and every row's running max is
+    finite there)."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    split = tl.minimum(tl.maximum(full, c_lo), c_hi)
+    for start in range(c_lo, split, BLOCK_N):
+      m_i, l_i, acc = _fwd_block(
+          q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
+          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
+          BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, INTERPRETED)
+    for start in range(split, c_hi, BLOCK_N):
+      m_i, l_i, acc = _fwd_block(
+          q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
+          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
+          BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, INTERPRETED)
+    return m_i, l_i, acc
+
+  @triton.jit
+  def _fold(m_run, l_run, acc_run, m, l, acc):
+    """The running total after one more chunk, in chunk order. A chunk no
+    row's key reaches (m = -inf, l = 0, acc = 0) leaves it exactly as it
+    was (scale 1 and 0), and the first real chunk replaces the empty start
+    exactly (scale 0 and 1). The prefill folds in registers, a split decode
+    in a second kernel from f32 partials: the same expression, the same
+    bits."""
+    m_new = tl.maximum(m_run, m)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_run - m_use)
+    b = tl.exp2(m - m_use)
+    return (m_new, l_run * a + l * b,
+            acc_run * a[:, None] + acc * b[:, None])
+
+  @triton.jit
+  def _finish(m, l):
+    """(1 / the normaliser's guard, lse in natural log) per row; rows that
+    saw no key get lse -inf and a 0 output."""
+    seen = l > 0.0
+    lse = tl.where(seen, (m + tl.log2(tl.where(seen, l, 1.0))) * _LN2,
+                   float("-inf"))
+    return tl.where(seen, l, 1.0), lse
+
+  @triton.jit
+  def _fwd_rows(q_ptr, k_ptr, v_ptr, stride_qt, stride_qh, stride_kh,
+                stride_vh, i0, q_start, q_len, k_len, window,
+                GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """A forward tile's rows: their q, heads, positions, and the keys they
+    need: [lo, hi) and the fully visible [0, full)."""
+    TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
+    r = tl.arange(0, BLOCK_M)
+    i = i0 + r // HEADS_PER_TILE          # query index in the sequence
+    head = tl.program_id(1) * HEADS_PER_TILE + r % HEADS_PER_TILE
+    kv_head = (tl.program_id(1) * HEADS_PER_TILE) // GROUP
+    row_ok = i < q_len
+    pos = k_len - q_len + i                # logical position (causal)
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt
+                + head[:, None].to(tl.int64) * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    # Keys from the first block any row can see to the last one's
+    # position; blocks counted from the sequence's key 0.
+    hi = k_len - q_len + tl.minimum(i0 + TOKENS, q_len)
+    first = k_len - q_len + i0             # the tile's first position
+    if WINDOWED:
+      lo = tl.maximum(first - window + 1, 0)
+      lo = (lo // BLOCK_N) * BLOCK_N
+      full = lo                            # no block is seen by every row
+    else:
+      lo = first * 0
+      full = ((first + 1) // BLOCK_N) * BLOCK_N
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    return q, head, row_ok, pos, d, q_rows, lo, hi, full, k_base, v_base
+
+  @triton.jit
   def _fwd_kernel(q_ptr, k_ptr, v_ptr, seqs_ptr, tiles_ptr, o_ptr, lse_ptr,
                   n_seqs, stride_qt, stride_qh, stride_kt, stride_kh,
                   stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
@@ -173,61 +262,94 @@ if triton is not None:
                   window: tl.constexpr, GROUP: tl.constexpr,
                   HEADS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  FOLD: tl.constexpr, SOFTCAP: tl.constexpr,
+                  WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
     # seqs: int32 [4, n_seqs] = q_start, q_len, k_start, k_len;
     # tiles: int32 [2, n_tiles] = sequence (-1: no work), first query.
     seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
                                                         n_seqs)
     if seq >= 0:
-      TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-      r = tl.arange(0, BLOCK_M)
-      i = i0 + r // HEADS_PER_TILE          # query index in the sequence
-      head = tl.program_id(1) * HEADS_PER_TILE + r % HEADS_PER_TILE
-      kv_head = (tl.program_id(1) * HEADS_PER_TILE) // GROUP
-      row_ok = i < q_len
-      pos = k_len - q_len + i                # logical position (causal)
-      d = tl.arange(0, HEAD_DIM)
-      q_rows = (q_start + i).to(tl.int64)
-      q = tl.load(q_ptr + q_rows[:, None] * stride_qt
-                  + head[:, None].to(tl.int64) * stride_qh + d[None, :],
-                  mask=row_ok[:, None], other=0.0)
-      # Keys from the first block any row can see to the last one's
-      # position; blocks counted from the sequence's key 0.
-      hi = k_len - q_len + tl.minimum(i0 + TOKENS, q_len)
-      lo = 0
-      if WINDOWED:
-        lo = tl.maximum(k_len - q_len + i0 - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-      k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
-      v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-      m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-      l_i = tl.zeros((BLOCK_M,), tl.float32)
-      acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-      full = lo
-      if not WINDOWED:
-        # Keys every row of the tile sees (up to its first row's position):
-        # no masks there, the same bits (a mask that keeps every score
-        # changes none, and every row's running max is finite).
-        full = ((k_len - q_len + i0 + 1) // BLOCK_N) * BLOCK_N
-        for start in range(0, full, BLOCK_N):
-          m_i, l_i, acc = _fwd_block(
-              q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
-              row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-              BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, INTERPRETED)
-      for start in range(full, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_block(
-            q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
-            row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-            BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, INTERPRETED)
-      seen = l_i > 0.0
-      out = acc / tl.where(seen, l_i, 1.0)[:, None]
-      lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2,
-                     float("-inf"))
+      q, head, row_ok, pos, d, q_rows, lo, hi, full, k_base, v_base = (
+          _fwd_rows(q_ptr, k_ptr, v_ptr, stride_qt, stride_qh, stride_kh,
+                    stride_vh, i0, q_start, q_len, k_len, window, GROUP,
+                    HEADS_PER_TILE, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOWED))
+      m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+      l_run = tl.zeros((BLOCK_M,), tl.float32)
+      acc_run = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+      for c0 in range((lo // FOLD) * FOLD, hi, FOLD):
+        m, l, acc = _fwd_chunk(
+            q, k_base, v_base, tl.maximum(c0, lo), tl.minimum(c0 + FOLD, hi),
+            full, k_start, k_len, pos, row_ok, d, stride_kt, stride_vt,
+            scale2, softcap2, window, BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP,
+            WINDOWED, INTERPRETED)
+        m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m, l, acc)
+      norm, lse = _finish(m_run, l_run)
+      out = acc_run / norm[:, None]
       tl.store(o_ptr + q_rows[:, None] * stride_ot
                + head[:, None].to(tl.int64) * stride_oh + d[None, :],
                out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
       tl.store(lse_ptr + q_rows * stride_lt + head, lse, mask=row_ok)
+
+  @triton.jit
+  def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, seqs_ptr, tiles_ptr, part_ptr,
+                        ml_ptr, n_seqs, n_rows, stride_qt, stride_qh,
+                        stride_kt, stride_kh, stride_vt, stride_vh,
+                        scale2: tl.constexpr, softcap2: tl.constexpr,
+                        window: tl.constexpr, GROUP: tl.constexpr,
+                        HEADS_PER_TILE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
+                        SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+    # One chunk (program axis 2) of one tile: its (m, l, acc) partials,
+    # f32, [chunk, row, head] (a chunk outside the tile's keys: the empty
+    # partial, which folds as nothing).
+    seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
+                                                        n_seqs)
+    if seq >= 0:
+      q, head, row_ok, pos, d, q_rows, lo, hi, full, k_base, v_base = (
+          _fwd_rows(q_ptr, k_ptr, v_ptr, stride_qt, stride_qh, stride_kh,
+                    stride_vh, i0, q_start, q_len, k_len, window, GROUP,
+                    HEADS_PER_TILE, HEAD_DIM, BLOCK_M, BLOCK_N, WINDOWED))
+      c0 = tl.program_id(2) * FOLD
+      c_lo = tl.maximum(c0, lo)
+      c_hi = tl.minimum(c0 + FOLD, hi)
+      c_hi = tl.maximum(c_hi, c_lo)        # empty past the tile's keys
+      m, l, acc = _fwd_chunk(
+          q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos, row_ok,
+          d, stride_kt, stride_vt, scale2, softcap2, window, BLOCK_M,
+          BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, INTERPRETED)
+      n_heads = tl.num_programs(1) * HEADS_PER_TILE
+      slot = (tl.program_id(2).to(tl.int64) * n_rows + q_rows) * n_heads + head
+      tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc,
+               mask=row_ok[:, None])
+      tl.store(ml_ptr + 2 * slot, m, mask=row_ok)
+      tl.store(ml_ptr + 2 * slot + 1, l, mask=row_ok)
+
+  @triton.jit
+  def _fwd_combine_kernel(part_ptr, ml_ptr, o_ptr, lse_ptr, n_slots,
+                          n_chunks, HEAD_DIM: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # Folds each (row, head)'s chunk partials in chunk order: _fold, as the
+    # prefill folds them. o and lse are [rows, heads] contiguous.
+    slot = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = slot < n_slots
+    d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full((BLOCK,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK,), tl.float32)
+    acc_run = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+    for c in range(0, n_chunks):
+      at = c * n_slots + slot
+      m = tl.load(ml_ptr + 2 * at, mask=ok, other=float("-inf"))
+      l = tl.load(ml_ptr + 2 * at + 1, mask=ok, other=0.0)
+      acc = tl.load(part_ptr + at[:, None] * HEAD_DIM + d[None, :],
+                    mask=ok[:, None], other=0.0)
+      m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m, l, acc)
+    norm, lse = _finish(m_run, l_run)
+    out = acc_run / norm[:, None]
+    tl.store(o_ptr + slot[:, None] * HEAD_DIM + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(lse_ptr + slot, lse, mask=ok)
 
   @triton.jit
   def _bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, n_rows, stride_ot,
@@ -411,37 +533,82 @@ def _strides(*arrays):
   return out
 
 
+_COMBINE_BLOCK = 16
+
+
+def _fwd_meta(statics, config, heads_per_tile, interpreted_):
+  return dict(statics.constants(), HEADS_PER_TILE=heads_per_tile,
+              BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+              FOLD=config.fold_keys, INTERPRETED=interpreted_)
+
+
 def forward_jax(q, k, v, seqs, tiles, statics: Statics,
-                config: AttentionConfig, heads_per_tile: int):
+                config: AttentionConfig, heads_per_tile: int,
+                split_chunks: int = 0):
   """(out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] f32). Rows no tile covers
-  are not written (the caller masks them)."""
+  are not written (the caller masks them). `split_chunks` > 0: each tile's
+  key chunks run in parallel programs (at most that many chunks a
+  sequence) and a second kernel folds them: the same bits, for decode."""
   import jax
+  jt = jax_triton()
   tq, hq, d = q.shape
-  n_tiles = tiles.shape[1]
+  grid = (tiles.shape[1], hq // heads_per_tile)
+  meta = _fwd_meta(statics, config, heads_per_tile, False)
+  if not split_chunks:
+    strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                        "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
+                       _strides(q, k, v, q)))
+    return jt.triton_call(
+        q, k, v, seqs, tiles, kernel=_fwd_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((tq, hq), "float32")),
+        grid=grid, num_warps=config.num_warps, num_stages=config.num_stages,
+        name="rlk_det_attention_fwd", n_seqs=seqs.shape[1], stride_lt=hq,
+        **strides, **meta)
   strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                      "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
-                     _strides(q, k, v, q)))
-  return jax_triton().triton_call(
-      q, k, v, seqs, tiles, kernel=_fwd_kernel,
+                      "stride_vt", "stride_vh"), _strides(q, k, v)))
+  part, ml = jt.triton_call(
+      q, k, v, seqs, tiles, kernel=_fwd_split_kernel,
+      out_shape=(jax.ShapeDtypeStruct((split_chunks, tq, hq, d), "float32"),
+                 jax.ShapeDtypeStruct((split_chunks, tq, hq, 2), "float32")),
+      grid=grid + (split_chunks,), num_warps=config.num_warps,
+      num_stages=config.num_stages, name="rlk_det_attention_fwd_split",
+      n_seqs=seqs.shape[1], n_rows=tq, **strides, **meta)
+  return jt.triton_call(
+      part, ml, kernel=_fwd_combine_kernel,
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((tq, hq), "float32")),
-      grid=(n_tiles, hq // heads_per_tile), num_warps=config.num_warps,
-      num_stages=config.num_stages, name="rlk_det_attention_fwd",
-      n_seqs=seqs.shape[1], stride_lt=hq, **strides, **statics.constants(),
-      HEADS_PER_TILE=heads_per_tile, BLOCK_M=config.block_m,
-      BLOCK_N=config.block_n, INTERPRETED=False)
+      grid=(triton.cdiv(tq * hq, _COMBINE_BLOCK),), num_warps=4,
+      name="rlk_det_attention_fwd_combine", n_slots=tq * hq,
+      n_chunks=split_chunks, HEAD_DIM=d, BLOCK=_COMBINE_BLOCK)
 
 
 def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
-                  config: AttentionConfig, heads_per_tile: int):
-  """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors)."""
-  hq = q.shape[1]
-  _fwd_kernel[(tiles.shape[1], hq // heads_per_tile)](
-      q, k, v, seqs, tiles, out, lse, seqs.shape[1], *_strides(q, k, v, out),
-      hq, num_warps=config.num_warps, num_stages=config.num_stages,
-      HEADS_PER_TILE=heads_per_tile, BLOCK_M=config.block_m,
-      BLOCK_N=config.block_n, INTERPRETED=interpreted(),
-      **statics.constants())
+                  config: AttentionConfig, heads_per_tile: int,
+                  split_chunks: int = 0):
+  """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors);
+  `split_chunks` as in forward_jax."""
+  import torch
+  tq, hq, d = q.shape
+  grid = (tiles.shape[1], hq // heads_per_tile)
+  meta = _fwd_meta(statics, config, heads_per_tile, interpreted())
+  if not split_chunks:
+    _fwd_kernel[grid](
+        q, k, v, seqs, tiles, out, lse, seqs.shape[1],
+        *_strides(q, k, v, out), hq, num_warps=config.num_warps,
+        num_stages=config.num_stages, **meta)
+    return out, lse
+  part = torch.empty((split_chunks, tq, hq, d), dtype=torch.float32,
+                     device=q.device)
+  ml = torch.empty((split_chunks, tq, hq, 2), dtype=torch.float32,
+                   device=q.device)
+  _fwd_split_kernel[grid + (split_chunks,)](
+      q, k, v, seqs, tiles, part, ml, seqs.shape[1], tq,
+      *_strides(q, k, v), num_warps=config.num_warps,
+      num_stages=config.num_stages, **meta)
+  _fwd_combine_kernel[(triton.cdiv(tq * hq, _COMBINE_BLOCK),)](
+      part, ml, out, lse, tq * hq, split_chunks, HEAD_DIM=d,
+      BLOCK=_COMBINE_BLOCK, num_warps=4)
   return out, lse
 
 
