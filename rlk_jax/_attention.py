@@ -59,14 +59,14 @@ _BLOCKS = {64: (128, 64, 512), 128: (128, 64, 512), 256: (64, 32, 512)}
 
 
 def _blocks(head_dim: int) -> tuple[int, int, int]:
-  """(block_m, block_n, fold_keys) of the kernels: the reference walks the
-  kernels' blocks and chunks (the interpreter's in CPU tests of the kernels
-  are smaller; bits are not promised between the reference and the
-  kernels)."""
+  """(decode tile rows, block_n, fold_keys) of the kernels: the reference
+  walks the kernels' blocks and chunks (the interpreter's in CPU tests of
+  the kernels are smaller; bits are not promised between the reference and
+  the kernels)."""
   if triton_backend.triton is None:
     return _BLOCKS[head_dim]
   c = _kernels().config_for(head_dim)
-  return c.block_m, c.block_n, c.fold_keys
+  return c.tile_rows(True), c.block_n, c.fold_keys
 
 
 def _reference_fwd(q, k, v, seqs, settings: Settings):
@@ -93,7 +93,7 @@ def _triton_fwd(q, k, v, seqs, settings: Settings):
   kernels = _kernels()
   config = kernels.config_for(settings.head_dim)
   hpt = settings.heads_per_tile
-  tokens = config.block_m // hpt
+  tokens = config.tile_rows(bool(settings.split_chunks)) // hpt
   n_tiles = kernels.tile_bound(q.shape[0], seqs.shape[1], tokens)
   tiles = _tile_map(seqs[1], tokens, n_tiles)
   return kernels.forward_jax(q, k, v, seqs, tiles, _statics(settings),
@@ -253,19 +253,19 @@ def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
   change no bit: rows are independent, and parallel chunks fold as one
   program folds them. Only a KV-cache call uses them: its few query rows
   would leave most of the GPU idle walking long contexts one block at a
-  time. A power-of-two group packs into one program's rows (its cache
-  read once) when there is work enough to fill the GPU without."""
+  time (and it runs the split kernels, whose tiles suit few rows, even for
+  one chunk). A power-of-two group packs into one program's rows (its
+  cache read once) when there is work enough to fill the GPU without."""
   if layout != "kv cache":
     return 1, 0
   block_m, _, fold = _blocks(q_shape[-1])
   b, n, s_cache, hkv = q_shape[0], q_shape[1], k_shape[1], k_shape[2]
   chunks = -(-s_cache // fold)
-  split = chunks if chunks > 1 else 0
   hpt = 1
   if (group & (group - 1) == 0 and n * group <= block_m
       and b * hkv * chunks >= 256):
     hpt = group
-  return hpt, split
+  return hpt, chunks
 
 
 def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start):

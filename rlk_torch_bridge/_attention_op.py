@@ -80,7 +80,7 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
   if impl == "triton" and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
-    tokens = config.block_m // heads_per_tile
+    tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
     tiles = _tile_map(seqs[1], tokens, kernels.tile_bound(
         q.shape[0], seqs.shape[1], tokens))
     out = torch.empty_like(q)

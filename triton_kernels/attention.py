@@ -68,6 +68,18 @@ class AttentionConfig:
   # fold into the running total in order, so a decode step can run its
   # chunks in parallel programs and fold them after (the same bits).
   fold_keys: int = 512
+  # The split decode's tiles (None: the forward's). Free only where the
+  # device tests prove a row's bits the same as the forward's tiles give
+  # (the same MMA per element, the same row-sum order).
+  decode_block_m: int | None = None
+  decode_num_warps: int | None = None
+
+  def tile_rows(self, split: bool) -> int:
+    """Query rows (tokens x heads) per forward program."""
+    return (self.decode_block_m or self.block_m) if split else self.block_m
+
+  def warps(self, split: bool) -> int:
+    return (self.decode_num_warps or self.num_warps) if split else self.num_warps
 
 
 # Per head dimension. The forward's block_n is part of the contract (it
@@ -536,9 +548,9 @@ def _strides(*arrays):
 _COMBINE_BLOCK = 16
 
 
-def _fwd_meta(statics, config, heads_per_tile, interpreted_):
+def _fwd_meta(statics, config, heads_per_tile, interpreted_, split):
   return dict(statics.constants(), HEADS_PER_TILE=heads_per_tile,
-              BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+              BLOCK_M=config.tile_rows(split), BLOCK_N=config.block_n,
               FOLD=config.fold_keys, INTERPRETED=interpreted_)
 
 
@@ -553,7 +565,7 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
   jt = jax_triton()
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
-  meta = _fwd_meta(statics, config, heads_per_tile, False)
+  meta = _fwd_meta(statics, config, heads_per_tile, False, bool(split_chunks))
   if not split_chunks:
     strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                         "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
@@ -571,7 +583,7 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
       q, k, v, seqs, tiles, kernel=_fwd_split_kernel,
       out_shape=(jax.ShapeDtypeStruct((split_chunks, tq, hq, d), "float32"),
                  jax.ShapeDtypeStruct((split_chunks, tq, hq, 2), "float32")),
-      grid=grid + (split_chunks,), num_warps=config.num_warps,
+      grid=grid + (split_chunks,), num_warps=config.warps(True),
       num_stages=config.num_stages, name="rlk_det_attention_fwd_split",
       n_seqs=seqs.shape[1], n_rows=tq, **strides, **meta)
   return jt.triton_call(
@@ -591,7 +603,8 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
   import torch
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
-  meta = _fwd_meta(statics, config, heads_per_tile, interpreted())
+  meta = _fwd_meta(statics, config, heads_per_tile, interpreted(),
+                   bool(split_chunks))
   if not split_chunks:
     _fwd_kernel[grid](
         q, k, v, seqs, tiles, out, lse, seqs.shape[1],
@@ -604,7 +617,7 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
                    device=q.device)
   _fwd_split_kernel[grid + (split_chunks,)](
       q, k, v, seqs, tiles, part, ml, seqs.shape[1], tq,
-      *_strides(q, k, v), num_warps=config.num_warps,
+      *_strides(q, k, v), num_warps=config.warps(True),
       num_stages=config.num_stages, **meta)
   _fwd_combine_kernel[(triton.cdiv(tq * hq, _COMBINE_BLOCK),)](
       part, ml, out, lse, tq * hq, split_chunks, HEAD_DIM=d,
