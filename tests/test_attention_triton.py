@@ -41,14 +41,15 @@ def _seqs(rows):  # [(q_start, q_len, k_start, k_len)] -> int32 [4, B]
   return torch.tensor(np.asarray(rows, np.int32).T.copy(), device=DEVICE)
 
 
-def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0):
-  tokens = CONFIG.block_m // heads_per_tile
+def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0,
+            config=CONFIG):
+  tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
   tiles = _attention_op._tile_map(seqs[1], tokens, kernels.tile_bound(
       q.shape[0], seqs.shape[1], tokens))
   out = torch.full_like(q, float("nan"))  # poisoned: every row is written
   lse = torch.full(q.shape[:2], float("nan"), device=q.device)
   return kernels.forward_torch(q, k, v, seqs, tiles, out, lse, statics,
-                               CONFIG, heads_per_tile, split_chunks)
+                               config, heads_per_tile, split_chunks)
 
 
 def backward(q, k, v, seqs, g, statics):
@@ -90,20 +91,22 @@ def test_pack_equals_alone_forward_and_backward(rng, window, softcap):
 @pytest.mark.parametrize("heads_per_tile,split", [(1, False), (2, False),
                                                   (1, True), (2, True)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_decode_equals_prefill(rng, heads_per_tile, split, window):
+@pytest.mark.parametrize("d", kernels.HEAD_DIMS if ON_GPU else (64,))
+def test_decode_equals_prefill(rng, heads_per_tile, split, window, d):
   """One token against the cache, in one program or with its key chunks
   (three of them) in parallel programs folded by a second kernel: the
   prefill's bits."""
-  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, window)
-  fold = CONFIG.fold_keys
+  statics = kernels.Statics(HQ // HKV, d, d ** -0.5, None, window)
+  config = kernels.config_for(d) if ON_GPU else CONFIG
+  fold = config.fold_keys
   n = 2 * fold + 6
-  (q, k, v), = sequences(rng, [n], HQ, HKV, D)
+  (q, k, v), = sequences(rng, [n], HQ, HKV, d)
   full, full_lse = forward(_t(q), _t(k), _t(v), _seqs([(0, n, 0, n)]),
-                           statics)
-  chunks = -(-n // CONFIG.fold_keys) if split else 0
+                           statics, config=config)
+  chunks = -(-n // fold) if split else 0
   for pos in (0, 15, fold - 1, fold, fold + 15, n - 1):
     out, lse = forward(_t(q[pos:pos + 1]), _t(k), _t(v),
                        _seqs([(0, 1, 0, pos + 1)]), statics, heads_per_tile,
-                       chunks)
+                       chunks, config=config)
     assert np.array_equal(bits(out[0]), bits(full[pos])), pos
     assert torch.equal(lse[0], full_lse[pos])
