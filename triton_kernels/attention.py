@@ -184,7 +184,7 @@ if triton is not None:
       v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :])
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))  # one rounding, in every kernel
     acc = mma_step(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
     return m_new, l_i, acc
 
@@ -226,8 +226,12 @@ if triton is not None:
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m_run - m_use)
     b = tl.exp2(m - m_use)
-    return (m_new, l_run * a + l * b,
-            acc_run * a[:, None] + acc * b[:, None])
+    # Explicit FMAs: left to the compiler, `x * a + y * b` may fuse either
+    # product into the add, and the register fold and the f32 one from
+    # memory fused them differently (the lse of 2 of 12 rows an ulp apart
+    # on the H200).
+    return (m_new, tl.fma(l_run, a, l * b),
+            tl.fma(acc_run, a[:, None], acc * b[:, None]))
 
   @triton.jit
   def _finish(m, l):
