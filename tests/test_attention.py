@@ -73,6 +73,11 @@ def _same(a, b) -> bool:
   return np.array_equal(bits(a), bits(b))
 
 
+def _f32(x) -> np.ndarray:
+  x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+  return x.astype(np.float32).view(np.uint32)
+
+
 # Small on CPU (the reference's explicit loops), wider on the device.
 HEADS = (4, 2, 64) if not ON_GPU else (8, 2, 128)
 
@@ -122,9 +127,10 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
   hq, hkv, d = HEADS
   # On the GPU the cache spans three fold chunks: the decode runs them in
   # parallel programs (rlk_jax._attention.decode_plan).
-  n_total, slots = (1100, 1300) if ON_GPU else (40, 48)
+  n_total, slots = (1700, 1800) if ON_GPU else (40, 48)
   seqs = sequences(rng, [n_total, 29], hq, hkv, d)
-  full = route.attend(*(route.array(x) for x in seqs[0]))
+  full, full_lse = route.attend(*(route.array(x) for x in seqs[0]),
+                                return_lse=True)
   ks = np.full((2, slots, hkv, d), 5.0, np.float32)
   vs = np.full((2, slots, hkv, d), -5.0, np.float32)
   offset = 4  # sequence 0 sits left-padded in its cache slot
@@ -132,14 +138,17 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
   ks[1, :29], vs[1, :29] = seqs[1][1:]
   kc, vc = route.array(ks), route.array(vs)
   for pos, n in [(0, 1), (16, 1), (31, 1), (32, 3), (n_total - 1, 1)] + (
-      [(511, 1), (512, 1), (1023, 2)] if ON_GPU else []):
+      [(511, 1), (512, 1), (1023, 2), (1536, 1), (1600, 5)] if ON_GPU
+      else []):
     qn = np.zeros((2, n, hq, d), np.float32)
     qn[0] = seqs[0][0][pos:pos + n]
     qn[1] = seqs[1][0][:n]
-    out = route.attend(route.array(qn), kc, vc,
-                       kv_lens=route.ints([pos + n, n]),
-                       kv_start=route.ints([offset, 0]))
+    out, lse = route.attend(route.array(qn), kc, vc,
+                            kv_lens=route.ints([pos + n, n]),
+                            kv_start=route.ints([offset, 0]), return_lse=True)
     assert _same(out[0], full[pos:pos + n]), (pos, n)
+    # f32: an ulp here would flip a bf16 output now and then.
+    assert np.array_equal(_f32(lse[0]), _f32(full_lse[pos:pos + n])), (pos, n)
 
 
 def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
