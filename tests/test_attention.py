@@ -149,6 +149,22 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
     assert _same(out[0], full[pos:pos + n]), (pos, n)
     # f32: an ulp here would flip a bf16 output now and then.
     assert np.array_equal(_f32(lse[0]), _f32(full_lse[pos:pos + n])), (pos, n)
+  if ON_GPU:
+    # Many positions in one batch, each its own cache: every block end
+    # (where a decode row walks a block unmasked that the prefill's tile
+    # masks) and random others.
+    ends = np.arange(63, n_total, 64)
+    positions = np.concatenate([ends, rng.choice(n_total, 64, replace=False)])
+    b = len(positions)
+    kb = np.broadcast_to(ks[:1], (b,) + ks.shape[1:])
+    vb = np.broadcast_to(vs[:1], (b,) + vs.shape[1:])
+    out, lse = route.attend(route.array(seqs[0][0][positions][:, None]),
+                            route.array(kb), route.array(vb),
+                            kv_lens=route.ints(positions + 1),
+                            kv_start=route.ints(np.full(b, offset)),
+                            return_lse=True)
+    assert _same(out[:, 0], full[positions])
+    assert np.array_equal(_f32(lse[:, 0]), _f32(full_lse[positions]))
 
 
 def test_gradients_per_sequence_invariant_and_deterministic(route, rng):

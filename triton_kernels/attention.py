@@ -133,17 +133,20 @@ if triton is not None:
   def _scores(a, b, scale2, softcap2, BLOCK_A: tl.constexpr,
               BLOCK_B: tl.constexpr, SOFTCAP: tl.constexpr,
               INTERPRETED: tl.constexpr):
-    """``a @ b`` as log2-scaled logits, and tanh of the capped logits (for
-    the backward; 0 without a cap). Without a cap: ``s * (scale log2 e)``.
-    With one: ``cap log2 e * tanh(s * scale / cap)``, tanh through exp2
-    (one formula in every kernel, so the backward recomputes the forward's
-    logits)."""
+    """(x, c, t): the log2-scaled logits are ``x * c``, and t is tanh of
+    the capped logits (for the backward). Without a cap x is ``a @ b`` and
+    c the scale times log2 e; with one, x is ``cap log2 e * tanh(s * scale /
+    cap)`` (tanh through exp2) and c is 1. Callers scale x only inside an
+    explicit FMA (``fma(x, c, -m)``): left to the compiler, ``x * c - m``
+    fuses in one kernel and rounds twice in another (where a mask sits
+    between the two), and a row's bits then depend on whether its block
+    was masked."""
     s = mma_step(a, b, tl.zeros((BLOCK_A, BLOCK_B), tl.float32), INTERPRETED)
     if SOFTCAP:
       t = 1.0 - 2.0 / (tl.exp2(s * scale2) + 1.0)
-      return t * softcap2, t
+      return t * softcap2, 1.0, t
     else:
-      return s * scale2, s
+      return s, scale2, s
 
   @triton.jit
   def _visible(pos, j, row_ok, window, WINDOWED: tl.constexpr):
@@ -169,21 +172,22 @@ if triton is not None:
                    mask=in_seq[None, :], other=0.0)
     else:
       kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None])
-    s, _ = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
-                   INTERPRETED)
+    x, c, _ = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
+                      INTERPRETED)
     if MASKED:
-      s = tl.where(_visible(pos, j, row_ok, window, WINDOWED), s,
+      x = tl.where(_visible(pos, j, row_ok, window, WINDOWED), x,
                    float("-inf"))
-      m_new = tl.maximum(m_i, tl.max(s, 1))
+      # c > 0, and rounding is monotone: max(x) * c is the max of x * c.
+      m_new = tl.maximum(m_i, tl.max(x, 1) * c)
       m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
       v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :],
                   mask=in_seq[:, None], other=0.0)
     else:
-      m_new = tl.maximum(m_i, tl.max(s, 1))
+      m_new = tl.maximum(m_i, tl.max(x, 1) * c)
       m_use = m_new
       v = tl.load(v_base + kv_rows[:, None] * stride_vt + d[None, :])
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(tl.fma(x, c, -m_use[:, None]))
     l_i = tl.fma(l_i, alpha, tl.sum(p, 1))  # one rounding, in every kernel
     acc = mma_step(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
     return m_new, l_i, acc
@@ -448,13 +452,13 @@ if triton is not None:
                          other=0.0) * _LOG2E
           delta = tl.load(delta_ptr + q_rows * stride_lt + head, mask=row_ok,
                           other=0.0)
-          st, tt = _scores(k, qt, scale2, softcap2, BLOCK_N, BLOCK_M,
-                           SOFTCAP, INTERPRETED)
+          xt, ct, tt = _scores(k, qt, scale2, softcap2, BLOCK_N, BLOCK_M,
+                               SOFTCAP, INTERPRETED)
           # [keys, queries]: the forward's visibility, transposed.
           ok = (j[:, None] <= (offset + i)[None, :]) & row_ok[None, :]
           if WINDOWED:
             ok = ok & (j[:, None] > (offset + i)[None, :] - window)
-          pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
+          pt = tl.where(ok, tl.exp2(tl.fma(xt, ct, -lse2[None, :])), 0.0)
           dv = mma_step(pt.to(do.dtype), do, dv, INTERPRETED)
           dpt = mma_step(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M),
                                                    tl.float32), INTERPRETED)
@@ -516,10 +520,10 @@ if triton is not None:
         vt = tl.load(v_ptr + kv_rows[None, :] * stride_vt
                      + kv_head * stride_vh + d[:, None],
                      mask=in_seq[None, :], other=0.0)
-        s, t = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
-                       INTERPRETED)
+        x, c, t = _scores(q, kt, scale2, softcap2, BLOCK_M, BLOCK_N, SOFTCAP,
+                          INTERPRETED)
         ok = _visible(pos, j, row_ok, window, WINDOWED)
-        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+        p = tl.where(ok, tl.exp2(tl.fma(x, c, -lse2[:, None])), 0.0)
         dp = mma_step(do, vt, tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
                       INTERPRETED)
         ds = p * (dp - delta[:, None])
