@@ -22,12 +22,22 @@ sequence's keys and values up to its position:
   seen any key, ``m_use = 0`` keeps ``-inf - -inf`` out (``alpha = 0``,
   ``l = acc = 0``), so a walk that starts blocks earlier gives the same
   bits as one that starts at the row's first visible block.
+* Every ``FOLD`` keys (a chunk, counted from key 0) the chunk's state
+  folds into a running total and the next chunk starts afresh (``_fold``;
+  an empty chunk folds as nothing). The prefill folds in registers; a
+  decode step runs its chunks in parallel programs and a second kernel
+  folds their f32 partials in the same order with the same expression.
 * Hence prefill of T tokens, chunked prefill and decode one token at a time
   against a cache give a token the same bits: its row walks the same
-  blocks with the same arithmetic; only which blocks are skipped as empty
-  differs. A decode program packs the query heads of one KV head into its
-  rows (``HEADS_PER_TILE``) so the cache is read once per KV head: rows
-  are independent, so this changes no bit.
+  blocks and chunks with the same arithmetic; only which blocks are skipped
+  as empty differs. A decode program packs the query heads of one KV head
+  into its rows (``HEADS_PER_TILE``) so the cache is read once per KV head:
+  rows are independent, so this changes no bit.
+* Two things the compiler would otherwise decide differently per kernel
+  are pinned: products that meet a sum go through explicit FMAs
+  (``fma(x, c, -m)``, the fold, the row-sum update), and the split decode's
+  tiles are one warpgroup of 64 rows, the forward's row layout (16-row
+  tiles over 4 warps summed a row in another order on the H200).
 
 The configuration (``BLOCK_M``, ``BLOCK_N``, warps) is chosen from the head
 dimension alone, never from the problem's size: a new size must not mean
