@@ -435,6 +435,24 @@ def det_gemm_sweep_figure(rows):
   return fig
 
 
+def _attention_label(case: str) -> str:
+  """'decode B=16 ctx=8192 H=32/8 D=128' -> 'decode B=16 ctx=8192'."""
+  return re.sub(r" H=\S+ D=\d+", "", case).replace(" fwd+bwd", "\nfwd+bwd")
+
+
+def attention_figure(rows):
+  """Time per call of every attention competitor, training and decode
+  cases (log scale: decode and training differ by 100x); the invariance
+  counts are the report's notes."""
+  rows = select(rows, "attention", lambda r: r["median_ms"] is not None
+                and not r["case"].startswith("packed"))
+  return _grouped_bar_figure(rows, "median_ms",
+                             "det_attention against SDPA and cuDNN",
+                             "ms per call (lower is better)",
+                             ("rlk_torch", "rlk_jax"), _attention_label,
+                             log=True)
+
+
 FIGURES = {
     "pack_bandwidth.png": pack_bandwidth_figure,
     "det_gemm_tflops.png": det_gemm_tflops_figure,
@@ -444,6 +462,7 @@ FIGURES = {
     "logp_time.png": logp_time_figure,
     "bridge_overhead.png": bridge_overhead_figure,
     "det_gemm_sweep.png": det_gemm_sweep_figure,
+    "attention_time.png": attention_figure,
 }
 
 
