@@ -297,3 +297,21 @@ def test_torch_op_compiles_and_is_registered(rng):
       q, k, v, implementation=IMPL), fullgraph=True)(*args)
   assert _same(eager, compiled)
   assert hasattr(torch.ops.rlk, "det_attention")
+
+
+def test_float16_pack_equals_alone_and_float64(route, rng):
+  hq, hkv, d = HEADS
+  seqs = sequences(rng, [13, 30], hq, hkv, d)
+  q, k, v, cu, starts = pack_sequences(seqs, spare=1)
+  f16 = jnp.float16 if route.name == "jax" else torch.float16
+  out = route.attend(*(route.array(x, f16) for x in (q, k, v)),
+                     cu_seqlens=route.ints(cu))
+  assert str(out.dtype).endswith("float16") and "b" not in str(out.dtype)
+  for s, start in zip(seqs, starts):
+    n = s[0].shape[0]
+    alone = route.attend(*(route.array(x, f16) for x in s))
+    assert _same(out[start:start + n], alone)
+    exact = [np.asarray(x, np.float16).astype(np.float64) for x in s]
+    got = np.asarray(alone.astype(jnp.float32) if route.name == "jax"
+                     else alone.float().cpu())
+    assert rel_err(got, dense_f64(*exact)) < 2e-3
