@@ -176,6 +176,9 @@ def _attention_bwd(impl, settings, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# Eager calls run compiled (an eager custom_vjp re-traces its loops every
+# call: half a second for the reference); under an outer jit it inlines.
+_attention_jit = jax.jit(_attention, static_argnums=(0, 1))
 
 
 # ----------------------------------------------------------------- layouts
@@ -395,7 +398,7 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
                       heads_per_tile, split_chunks)
   impl = TABLE.select(implementation).name
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-  out, lse = _attention(impl, settings, flat(q), flat(k), flat(v), seqs)
+  out, lse = _attention_jit(impl, settings, flat(q), flat(k), flat(v), seqs)
   # Rows no sequence covers: 0 (the kernels leave them unwritten).
   covered = covered_rows(seqs[0], seqs[1], out.shape[0])
   out = jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))

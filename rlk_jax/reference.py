@@ -163,13 +163,15 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int, fold_keys: int,
             jnp.zeros((tq, hq), jnp.float32),
             jnp.zeros((tq, hq, dim), jnp.float32))
 
-  per_chunk = fold_keys // block_n
+  # A chunk's blocks past the last key are no-ops: walk no more of them
+  # than the keys fill (a static count, so reverse mode runs).
+  per_chunk = min(fold_keys // block_n, -(-tk // block_n))
 
   def chunk(c, total):
     # Static trip counts: reverse mode differentiates these loops.
+    first = c * (fold_keys // block_n)
     m, l, acc = jax.lax.fori_loop(
-        0, per_chunk, lambda i, carry: block(c * per_chunk + i, carry),
-        empty())
+        0, per_chunk, lambda i, carry: block(first + i, carry), empty())
     m_run, l_run, acc_run = total
     m_new = jnp.maximum(m_run, m)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -88,8 +88,10 @@ def test_pack_equals_alone_forward_and_backward(rng, window, softcap):
     assert rel_err(alone.double().cpu().numpy(), want) < 1e-2
 
 
-@pytest.mark.parametrize("heads_per_tile,split", [(1, False), (2, False),
-                                                  (1, True), (2, True)])
+# The interpreter takes seconds a launch: two of the four plans on CPUs.
+@pytest.mark.parametrize("heads_per_tile,split",
+                         [(1, False), (2, False), (1, True), (2, True)]
+                         if ON_GPU else [(1, False), (2, True)])
 @pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("d", kernels.HEAD_DIMS if ON_GPU else (64,))
 def test_decode_equals_prefill(rng, heads_per_tile, split, window, d):
