@@ -53,6 +53,36 @@ def _tile_map(lengths, rows_per_tile, n_tiles):
                       torch.where(valid, first, 0)]).to(torch.int32)
 
 
+_STATIC: dict = {}
+
+
+def static_rows(device, specs):
+  """int32 tensors that depend on shapes alone (("arange", n, step): 0,
+  step, 2 step...; ("full", n, value); ("tiles", b, per_seq, rows): a
+  uniform tile map), made once per device: a decode step's bookkeeping
+  then launches no kernels of its own. Not kept while a CUDA graph is
+  being captured (its memory would belong to the graph)."""
+  out = []
+  capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+  for spec in specs:
+    key = (str(device), spec)
+    t = _STATIC.get(key)
+    if t is None:
+      kind, *args = spec
+      if kind == "arange":
+        t = torch.arange(args[0], dtype=torch.int32, device=device) * args[1]
+      elif kind == "full":
+        t = torch.full((args[0],), args[1], dtype=torch.int32, device=device)
+      else:  # tiles: sequence b's tiles in order, `rows` query rows each
+        b, per_seq, rows = args
+        t = torch.arange(b * per_seq, dtype=torch.int32, device=device)
+        t = torch.stack([t // per_seq, (t % per_seq) * rows]).to(torch.int32)
+      if not capturing and len(_STATIC) < 4096:
+        _STATIC[key] = t
+    out.append(t)
+  return out
+
+
 def _covered(starts, lengths, n):
   """rlk_jax._attention.covered_rows in torch."""
   edges = torch.zeros((n + 1,), dtype=torch.int32, device=starts.device)
@@ -81,8 +111,15 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
     tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
-    tiles = _tile_map(seqs[1], tokens, kernels.tile_bound(
-        q.shape[0], seqs.shape[1], tokens))
+    if split_chunks:
+      # A KV-cache call: every sequence has the same q rows, so its tile
+      # map is a function of shapes (the same ints as _tile_map's).
+      b = seqs.shape[1]
+      n = q.shape[0] // b
+      tiles, = static_rows(q.device, (("tiles", b, -(-n // tokens), tokens),))
+    else:
+      tiles = _tile_map(seqs[1], tokens, kernels.tile_bound(
+          q.shape[0], seqs.shape[1], tokens))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     kernels.forward_torch(q, k, v, seqs, tiles, out, lse,

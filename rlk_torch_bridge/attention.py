@@ -59,8 +59,20 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
     return torch.stack([start, length, start, length]), contiguous
   n, s_cache = q.shape[1], k.shape[1]
   kv_lens = _ints(kv_lens, "kv_lens", dev)
-  kv_start = (torch.zeros_like(kv_lens) if kv_start is None
-              else _ints(kv_start, "kv_start", dev))
+  q_start, q_len, k_base = _attention_op.static_rows(
+      dev, (("arange", b, n), ("full", b, n), ("arange", b, s_cache)))
+  if kv_start is None:  # a decode step: two small kernels, not a dozen
+    if tuple(kv_lens.shape) != (b,):
+      raise ValueError(f"det_attention: kv_lens must be [B] = [{b}], got "
+                       f"{tuple(kv_lens.shape)}")
+    if not dev.type == "cuda" and (bool((kv_lens < n).any()) or bool(
+        (kv_lens > s_cache).any())):
+      raise ValueError(
+          f"det_attention: each sequence needs n={n} <= kv_lens and kv_start "
+          f"+ kv_lens <= the cache's {s_cache} slots; got kv_lens "
+          f"{kv_lens.tolist()}, kv_start None")
+    return torch.stack([q_start, q_len, k_base, kv_lens]), None
+  kv_start = _ints(kv_start, "kv_start", dev)
   for name, t in (("kv_lens", kv_lens), ("kv_start", kv_start)):
     if tuple(t.shape) != (b,):
       raise ValueError(f"det_attention: {name} must be [B] = [{b}], got "
@@ -71,8 +83,7 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
         f"det_attention: each sequence needs n={n} <= kv_lens and kv_start + "
         f"kv_lens <= the cache's {s_cache} slots; got kv_lens "
         f"{kv_lens.tolist()}, kv_start {kv_start.tolist()}")
-  return torch.stack([base * n, torch.full_like(kv_lens, n),
-                      base * s_cache + kv_start, kv_lens]), None
+  return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -315,3 +315,19 @@ def test_float16_pack_equals_alone_and_float64(route, rng):
     got = np.asarray(alone.astype(jnp.float32) if route.name == "jax"
                      else alone.float().cpu())
     assert rel_err(got, dense_f64(*exact)) < 2e-3
+
+
+@pytest.mark.parametrize("b,n,rows", [(3, 1, 64), (5, 7, 4), (2, 130, 64)])
+def test_decode_tile_map_is_the_general_one(b, n, rows):
+  """The torch route's shape-only tile map of a KV-cache call lists the
+  tiles the general one (from the lengths) lists, in the same order."""
+  from rlk_torch_bridge import _attention_op
+  from triton_kernels import attention as kernels
+  lengths = torch.full((b,), n, dtype=torch.int32)
+  general = _attention_op._tile_map(lengths, rows, kernels.tile_bound(
+      b * n, b, rows))
+  per_seq = -(-n // rows)
+  uniform, = _attention_op.static_rows(torch.device("cpu"),
+                                       (("tiles", b, per_seq, rows),))
+  assert torch.equal(general[:, :b * per_seq], uniform)
+  assert (general[0, b * per_seq:] == -1).all()
