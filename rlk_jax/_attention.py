@@ -388,8 +388,8 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   else:
     b, n = q.shape[:2]
     seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)
-  # Decode: one program holds a KV head's whole group of query heads (its
-  # cache read once); rows are independent, so no bit changes.
+  # A KV-cache call splits its keys over programs and may pack a KV head's
+  # query heads into one program (decode_plan): neither moves a bit.
   heads_per_tile, split_chunks = decode_plan(layout, q.shape, k.shape, group)
   settings = Settings(group, d, float(1.0 / math.sqrt(d) if scale is None
                                       else scale),
