@@ -53,18 +53,11 @@ class Settings:
   split_chunks: int = 0   # decode: key chunks in parallel programs
 
 
-# The kernels' blocks and chunks per head dim, for the reference and the
-# decode plan where Triton is not installed.
-_BLOCKS = {64: (128, 64, 512), 128: (128, 64, 512), 256: (64, 32, 512)}
-
-
 def _blocks(head_dim: int) -> tuple[int, int, int]:
   """(decode tile rows, block_n, fold_keys) of the kernels: the reference
   walks the kernels' blocks and chunks (the interpreter's in CPU tests of
   the kernels are smaller; bits are not promised between the reference and
-  the kernels)."""
-  if triton_backend.triton is None:
-    return _BLOCKS[head_dim]
+  the kernels). The config table imports without Triton."""
   c = _kernels().config_for(head_dim)
   return c.tile_rows(True), c.block_n, c.fold_keys
 
