@@ -43,6 +43,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlk_torch_bridge import sdpa, transformers_attention
+from rlk_torch_bridge._row_mean_op import det_row_mean
 from rlk_torch_bridge.functions import det_gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -72,12 +74,18 @@ _NOT_OURS = object()
 def _report(func, args) -> None:
   tensors = [a for a in args if isinstance(a, torch.Tensor)]
   # Integer products are exact, so batch-invariant as they are.
-  if (torch.compiler.is_compiling()  # said by the eager call, not traced
-      or not any(t.is_floating_point() for t in tensors)):
+  if not any(t.is_floating_point() for t in tensors):
     return
   reason = (", ".join(sorted({f"{t.dtype} on {t.device.type}" for t in tensors}))
             or "no tensor operands")
   name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+  report_fallthrough(name, reason)
+
+
+def report_fallthrough(name: str, reason: str) -> None:
+  """Says once per (name, reason) that the mode left a call to torch."""
+  if torch.compiler.is_compiling():  # said by the eager call, not traced
+    return
   with _reported_lock:
     if (name, reason) in _reported:
       return
@@ -102,12 +110,20 @@ class _Products:
     self.implementation = implementation
 
   def gemm(self, a, b, out_dtype=None, transpose_b=False):
+    if a.shape[-1] == 1:
+      # K = 1 (a rotary embedding's positions x frequencies): one product
+      # per element and no sum, so elementwise is exact and as invariant.
+      b_row = b.reshape(1, -1) if transpose_b else b
+      out = a.float() * b_row.float() if out_dtype == torch.float32 else a * b_row
+      return out.to(a.dtype if out_dtype is None else out_dtype)
     return det_gemm(a, b, out_dtype=out_dtype, transpose_b=transpose_b,
                     implementation=self.implementation)
 
   def batched(self, a, b):
     """``a [..., M, K] @ b [..., K, N]`` with broadcast batch dimensions:
     one product per batch element."""
+    if a.shape[-1] == 1:  # no sum: elementwise, as gemm says
+      return a * b
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
@@ -156,19 +172,39 @@ class _Products:
     return self._plus(bias, product, beta, alpha, a.dtype)
 
   def mean(self, x, dim=None, keepdim=False, *, dtype=None):
-    """``mean`` over the last dimension: ``x @ ones[K, 1] / K`` in float32
-    (one det_gemm product, so each row's bits are its own), rounded once
-    to x's dtype. Other reductions go to torch."""
+    """``mean`` over the last dimension, on ``rlk::det_row_mean`` (a row
+    kernel with one summation order per row length). Other reductions go
+    to torch."""
     if (not isinstance(x, torch.Tensor) or x.ndim == 0 or dtype is not None
         or _last_dim(dim, x.ndim) is None or x.shape[-1] == 0):
       return _NOT_OURS
     if not _takes(x):
       return NotImplemented
-    k = x.shape[-1]
-    ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
-    total = self.gemm(x, ones, out_dtype=torch.float32)
-    out = (total / k).to(x.dtype)
-    return out if keepdim else out.squeeze(-1)
+    out = det_row_mean(x)
+    return out.unsqueeze(-1) if keepdim else out
+
+  def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0,
+           is_causal=False, scale=None, enable_gqa=False):
+    """A causal decoder's ``scaled_dot_product_attention`` on det_attention
+    (``rlk_torch_bridge.sdpa``). Eager calls with a mask check it on the
+    host and leave a mask det_attention cannot express to torch; traced
+    ones check on the device (NaN rows where it does not fit)."""
+    tensors = (query, key, value)
+    if not _takes(*tensors):
+      return NotImplemented
+    reason = sdpa.refusal(query, key, value, attn_mask, dropout_p, is_causal,
+                          enable_gqa)
+    if reason is not None:
+      report_fallthrough("scaled_dot_product_attention", reason)
+      return _NOT_OURS
+    check = "device" if torch.compiler.is_compiling() else "host"
+    out = sdpa.attention(query, key, value, attn_mask, is_causal, scale,
+                         check=check)
+    if out is None:
+      report_fallthrough("scaled_dot_product_attention",
+                         "a mask that is not causal with padding")
+      return _NOT_OURS
+    return out.transpose(1, 2)
 
   def linear(self, x, weight, bias=None):
     if not _takes(x, weight) or weight.ndim != 2 or x.ndim == 0:
@@ -205,6 +241,7 @@ def _handlers(products: _Products) -> dict:
       torch.addmm: products.addmm, torch.Tensor.addmm: products.addmm,
       torch.baddbmm: products.baddbmm, torch.Tensor.baddbmm: products.baddbmm,
       torch.nn.functional.linear: products.linear,
+      torch.nn.functional.scaled_dot_product_attention: products.sdpa,
   }
 
 
@@ -215,6 +252,31 @@ class BatchInvariantMode(TorchFunctionMode):
     super().__init__()
     self.implementation = implementation
     self._handlers = _handlers(_Products(implementation))
+
+  def __enter__(self):
+    # Inductor computes a chain of fused bf16/f16 elementwise ops in float32
+    # and rounds once; eager rounds after each op. With this flag it rounds
+    # where eager does, so a compiled trainer gets an eager rollout's bits.
+    from torch._inductor import config as inductor
+    self._saved_casts = inductor.emulate_precision_casts
+    inductor.emulate_precision_casts = True
+    transformers_attention.enter()
+    try:
+      return super().__enter__()
+    except BaseException:
+      self._restore()
+      raise
+
+  def __exit__(self, *exc):
+    try:
+      return super().__exit__(*exc)
+    finally:
+      self._restore()
+
+  def _restore(self):
+    from torch._inductor import config as inductor
+    inductor.emulate_precision_casts = self._saved_casts
+    transformers_attention.exit()
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}

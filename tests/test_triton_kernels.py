@@ -214,3 +214,16 @@ def test_stats_over_chunks_equal_the_fused_kernel_bitwise(rng):
   assert torch.equal(logp.view(torch.int32), fused_logp.view(torch.int32))
   assert torch.equal((lse - weighted / s).view(torch.int32),
                      fused_ent.view(torch.int32))
+
+
+@pytest.mark.parametrize("k", [1, 100, 1024, 2048 + 17])
+def test_row_sum_rows_alone_equal_their_batch(k, rng):
+  torch = pytest.importorskip("torch")
+  from triton_kernels import row_sum
+  x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+  batch = row_sum.row_sum_torch(x, torch.empty(9))
+  for i in (0, 4, 8):
+    alone = row_sum.row_sum_torch(x[i:i + 1], torch.empty(1))
+    assert alone.numpy().tobytes() == batch[i:i + 1].numpy().tobytes()
+  ref = x.double().sum(-1)
+  assert float((batch.double() - ref).norm() / ref.norm()) < 1e-6

@@ -1,0 +1,71 @@
+"""``rlk::det_row_mean``: the mean over the last dimension of a bf16, f16
+or f32 tensor (an RMSNorm's ``x.pow(2).mean(-1)``), each row's bits its own
+whatever the batch.
+
+On CUDA the row kernel of ``triton_kernels.row_sum`` runs natively on
+torch's stream (a fixed summation order per row length; that module says
+why). Elsewhere, or without Triton, the row is a det_gemm product with a
+ones vector (``x @ ones[K, 1]``), row-invariant by det_gemm's contract.
+Either way the float32 sum is divided by K and rounded once to x's dtype,
+as torch's own mean does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_torch_bridge import _library
+
+
+def _on_row_kernel(x: torch.Tensor) -> bool:
+  if not x.is_cuda:
+    return False
+  from triton_kernels.backend import triton
+  return triton is not None
+
+
+def _kernel(x):
+  k = x.shape[-1]
+  rows = x.reshape(-1, k)
+  if _on_row_kernel(x):
+    from triton_kernels.row_sum import row_sum_torch
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    total = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+      row_sum_torch(rows, total)
+  else:
+    from rlk_torch_bridge.functions import det_gemm
+    ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
+    total = det_gemm(rows, ones, out_dtype=torch.float32)[:, 0]
+  return (total / k).to(x.dtype).reshape(x.shape[:-1])
+
+
+def _fake(x):
+  return x.new_empty(x.shape[:-1])
+
+
+class DetRowMean(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x):
+    ctx.shape = x.shape
+    return _library.below_autograd(OP, x)
+
+  @staticmethod
+  def backward(ctx, g):
+    # d mean / d x = 1/K for every element: no reduction, so no order.
+    k = ctx.shape[-1]
+    return (g / k).unsqueeze(-1).expand(ctx.shape)
+
+
+def _differentiable(x):
+  return _library.needs_grad(x)
+
+
+OP = _library.define("det_row_mean", "(Tensor x) -> Tensor", _kernel, _fake,
+                     DetRowMean, _differentiable)
+
+
+def det_row_mean(x: torch.Tensor) -> torch.Tensor:
+  """Mean over x's last dimension (K > 0), batch-invariant per row."""
+  return _library.call(OP, x)

@@ -1,0 +1,174 @@
+"""``F.scaled_dot_product_attention`` calls of causal decoders, on
+det_attention: what :func:`batch_invariant_mode` runs for SDPA and for
+transformers' attention functions.
+
+SDPA describes which keys a query row sees with ``is_causal`` or a mask;
+det_attention with where each sequence's tokens lie. A decoder's mask is
+causal, cut by padding (left or right) and perhaps a sliding window, so it
+is read back into that description on the device:
+
+- q length == key length (a prefill, a training forward): key j is a token
+  iff the mask's diagonal says so (a token always sees itself, padding never
+  does); det_attention's padded layout with that row mask.
+- q length < key length (a KV-cache step): row i sits at slot
+  ``end - n + i``, where ``end`` is one past the last key the last row sees;
+  a sequence starts at the first key the last row sees, or, under a sliding
+  window that may have cut it, at that slot minus the row's position id.
+  det_attention's KV-cache layout.
+
+Why anchoring matters for the bits: det_attention walks key blocks from each
+sequence's first key, so a rollout's decode rows get the prefill's bits only
+if both anchor at the same token.
+
+The description is then turned back into a mask and compared with the given
+one, on the device. Where they differ (a mask that is not causal with
+padding and this window) the sequence's rows come back NaN in ``"device"``
+checking (no host sync: CUDA graphs and compile keep working), or the call
+is refused (``None``) in ``"host"`` checking, which reads one flag back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_jax import _attention
+from rlk_torch_bridge import _attention_op
+from rlk_torch_bridge.attention import det_attention
+
+
+def refusal(query, key, value, attn_mask, dropout_p, is_causal,
+            enable_gqa) -> str | None:
+  """Why det_attention cannot compute this SDPA call (None: it can),
+  judged from shapes, dtypes and flags alone."""
+  if dropout_p:
+    return f"dropout_p={dropout_p} (det_attention has no dropout)"
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    return (f"q/k/v of ranks {query.ndim}/{key.ndim}/{value.ndim} (det_attention"
+            " takes [B, H, S, D])")
+  b, hq, n, d = query.shape
+  s_k = key.shape[2]
+  hk = key.shape[1]
+  if hk != hq and not enable_gqa:
+    return f"{hq} query heads against {hk} key heads without enable_gqa"
+  if key.shape[0] != b or value.shape[0] != b:
+    return (f"batch sizes q {b}, k {key.shape[0]}, v {value.shape[0]} differ")
+  if attn_mask is None and not is_causal and n > 1:
+    return "no mask and is_causal=False with several query rows (not causal)"
+  if attn_mask is None and is_causal and n != s_k:
+    return (f"is_causal with q length {n} != key length {s_k} (SDPA aligns "
+            "that mask top-left; a decoder's rows end at the last key)")
+  if attn_mask is not None:
+    if attn_mask.ndim != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[0] not in (
+        1, b) or tuple(attn_mask.shape[2:]) != (n, s_k):
+      return (f"a mask of shape {tuple(attn_mask.shape)} (det_attention reads"
+              f" [B or 1, 1, {n}, {s_k}])")
+    if is_causal:
+      return "both a mask and is_causal"
+  try:
+    _attention.check_operands(
+        (b, n, hq, d), (b, s_k, hk, d), (b, s_k, hk, value.shape[-1]),
+        tuple(str(x.dtype).removeprefix("torch.") for x in (query, key, value)),
+        "padded" if n == s_k else "kv cache")
+  except (NotImplementedError, ValueError, TypeError) as e:
+    return str(e)
+  return None
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+  """A bool or additive float mask as bool: additive entries must be 0
+  (seen) or very negative (hidden); anything else is a bias det_attention
+  cannot add, so it makes the check fail (it neither sees nor hides)."""
+  if mask.dtype == torch.bool:
+    return mask
+  return mask == 0
+
+
+def _hidden(mask: torch.Tensor) -> torch.Tensor:
+  if mask.dtype == torch.bool:
+    return ~mask
+  return mask <= torch.finfo(mask.dtype).min / 2
+
+
+def _first_true(x: torch.Tensor) -> torch.Tensor:
+  """Index of the first True along the last dim (0 where none)."""
+  return x.int().argmax(-1)
+
+
+def _window_rows(cols, slots, window):
+  """Keys [slot - window + 1, slot] for each query slot (all keys up to the
+  slot without a window): [B, n, S_k] bool."""
+  seen = cols[None, None, :] <= slots[:, :, None]
+  if window is not None:
+    seen &= cols[None, None, :] > slots[:, :, None] - window
+  return seen
+
+
+def attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
+              *, sliding_window=None, softcap=None, position_ids=None,
+              check="device", implementation=None):
+  """SDPA's computation for a causal decoder's call (``refusal`` says
+  None), on det_attention: query ``[B, Hq, n, D]``, key and value ``[B,
+  Hkv, S, D]``; returns ``[B, n, Hq, D]`` (the layout transformers'
+  attention functions return; SDPA's is its transpose). ``check`` is
+  ``"device"`` or ``"host"`` (module docstring); with ``"host"`` a mask
+  that does not fit gives None."""
+  b, hq, n, d = query.shape
+  s_k = key.shape[2]
+  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+  q = query.transpose(1, 2)
+  k = key.transpose(1, 2)
+  v = value.transpose(1, 2)
+  opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
+              implementation=implementation)
+  if attn_mask is None:
+    if n == s_k:
+      return det_attention(q, k, v, **opts)
+    # One new row against all keys (refusal admits nothing else here).
+    full, = _attention_op.static_rows(q.device, (("full", b, s_k),))
+    return det_attention(q, k, v, kv_lens=full, **opts)
+  if attn_mask.ndim == 2:
+    return _with_tokens(q, k, v, attn_mask.to(q.device).bool(), opts)
+  seen = _allowed(attn_mask).expand(b, 1, n, s_k)[:, 0]
+  hidden = _hidden(attn_mask).expand(b, 1, n, s_k)[:, 0]
+  cols = torch.arange(s_k, device=q.device)
+  if n == s_k:
+    tokens = seen.diagonal(dim1=1, dim2=2)
+    slots = cols.expand(b, n)
+    want = _window_rows(cols, slots, sliding_window) & tokens[:, None, :]
+    # Rows that are padding may see anything: their output is 0.
+    fits = ((seen == want) & (hidden == ~want)) | ~tokens[:, :, None]
+    fits = fits.all(-1).all(-1)
+    layout = dict(mask=tokens)
+  else:
+    last = seen[:, -1]
+    end = (s_k - _first_true(last.flip(-1))).to(torch.int32)
+    start = _first_true(last).to(torch.int32)
+    if sliding_window is not None and position_ids is not None:
+      pos = position_ids.to(q.device).expand(b, -1)[:, -1].to(torch.int32)
+      start = end - 1 - pos
+    slots = (end - n)[:, None] + torch.arange(n, device=q.device)[None]
+    want = (_window_rows(cols, slots, sliding_window)
+            & (cols[None, None, :] >= start[:, None, None]))
+    fits = ((seen == want) & (hidden == ~want)).all(-1).all(-1)
+    fits &= last.any(-1) & (end - start >= n) & (start >= 0)
+    lens = torch.where(fits, end - start, n)
+    layout = dict(kv_lens=lens, kv_start=torch.where(fits, start, 0))
+  if check == "host" and not bool(fits.all()):
+    return None
+  out = det_attention(q, k, v, **layout, **opts)
+  return out.masked_fill(~fits[:, None, None, None], float("nan"))
+
+
+def _with_tokens(q, k, v, tokens, opts):
+  """A [B, S] token mask (flash-attention's form: 1 = token, padding left
+  or right): the sequence is its run of tokens, so nothing is to check
+  beyond what det_attention checks itself."""
+  b, n = q.shape[:2]
+  s_k = k.shape[1]
+  if n == s_k:
+    return det_attention(q, k, v, mask=tokens, **opts)
+  start = _first_true(tokens).to(torch.int32)
+  end = (s_k - _first_true(tokens.flip(-1))).to(torch.int32)
+  return det_attention(q, k, v, kv_lens=end - start, kv_start=start, **opts)

@@ -1,0 +1,163 @@
+"""True on-policy in torch: under ``batch_invariant_mode`` a transformers
+model's rollout log-probs (``generate``, KV cache, ragged left-padded
+prompts) equal its trainer's recomputation bit for bit, padded either side
+or packed, eager or compiled, and a sequence rolled out alone gets the bits
+it gets in the batch.
+
+CPU: tiny configs of every family the installed transformers ships. The
+device: the same at a real layer width, with more tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlk_torch_bridge as rtb
+from tests import on_policy_checks as opc
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+WIDTH = "real" if ON_GPU else "tiny"
+# Ragged prompts whose sum is no power of two; on the device long enough to
+# pass several key blocks and 512-key chunks.
+LENGTHS = (37, 300, 700, 129) if ON_GPU else (5, 11, 8)
+NEW = 24 if ON_GPU else 6
+FAMILIES = sorted(opc.families())
+
+
+def _rollout(model, sample_seed=None):
+  vocab = model.config.vocab_size
+  return opc.rollout(model, opc.prompts(LENGTHS, vocab, DEVICE), NEW,
+                     sample_seed)
+
+
+def _assert_bits(got, want, what):
+  assert got.shape == want.shape, what
+  diff = (got - want).abs()
+  assert torch.isfinite(got).all(), f"{what}: non-finite log-probs"
+  assert torch.equal(got, want), (
+      f"{what}: {int((diff > 0).sum())} of {got.numel()} log-probs differ "
+      f"(max {float(diff.max()):.3g})")
+
+
+def test_families_cover_the_issue_list():
+  # transformers 5.17 ships all seven; a smaller set means the installed
+  # transformers lacks one, which this says instead of skipping quietly.
+  assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
+                           "gemma3", "phi3"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_rollout_equals_trainer(family):
+  model = opc.build(family, WIDTH, device=DEVICE)
+  with rtb.batch_invariant_mode():
+    r = _rollout(model)
+    for layout in ("left", "right", "packed"):
+      _assert_bits(opc.trainer_logp(model, r, layout), r.logp,
+                   f"{family} trainer ({layout}) vs rollout")
+  left = [f for f in rtb.batch_invariant.fallthroughs()
+          if f[0].startswith("transformers attention")]
+  assert not left, left
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"] if not ON_GPU
+                         else FAMILIES)
+def test_sampled_rollout_and_alone(family):
+  model = opc.build(family, WIDTH, device=DEVICE)
+  with rtb.batch_invariant_mode():
+    r = _rollout(model, sample_seed=7)
+    _assert_bits(opc.trainer_logp(model, r, "right"), r.logp,
+                 f"{family} sampled rollout vs trainer")
+    # The second sequence alone: same prompt, its own greedy completion.
+    greedy = _rollout(model)
+    alone = opc.rollout(model, greedy.prompts[1:2], NEW)
+  assert torch.equal(alone.completions[0], greedy.completions[1])
+  _assert_bits(alone.logp[0], greedy.logp[1], f"{family} alone vs batch")
+
+
+@pytest.mark.parametrize("attn", ["eager"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_eager_attention_implementation(family, attn):
+  # transformers' "eager" attention (explicit matmul + softmax, and Gemma 2's
+  # logit softcap) is redirected to det_attention as well.
+  model = opc.build(family, WIDTH, attn=attn, device=DEVICE)
+  with rtb.batch_invariant_mode():
+    r = _rollout(model)
+    _assert_bits(opc.trainer_logp(model, r, "left"), r.logp,
+                 f"{family} ({attn}) trainer vs rollout")
+
+
+@pytest.mark.parametrize("family,compile_kwargs", [
+    ("llama", {}), ("llama", {"fullgraph": True}), ("llama", {"dynamic": True}),
+    ("gemma2", {})] if ON_GPU else [("llama", {})])
+def test_compiled_trainer_equals_eager_rollout(family, compile_kwargs):
+  torch._dynamo.reset()
+  model = opc.build(family, WIDTH, device=DEVICE)
+  compiled = torch.compile(model, **compile_kwargs)
+  with rtb.batch_invariant_mode():
+    r = _rollout(model)
+    for layout in ("left", "right"):
+      _assert_bits(opc.trainer_logp(compiled, r, layout), r.logp,
+                   f"{family} compiled {compile_kwargs} ({layout})")
+
+
+def test_plain_sdpa_call_under_the_mode():
+  # F.scaled_dot_product_attention called directly: causal, padding masks
+  # (bool and additive), a decode row; each sequence's rows are its own.
+  g = torch.Generator().manual_seed(3)
+  b, h, s, d = 3, 4, 20, 64
+  q, k, v = (torch.randn(b, h, s, d, generator=g).to(DEVICE, torch.bfloat16)
+             for _ in range(3))
+  starts = torch.tensor([0, 7, 3], device=DEVICE)
+  cols = torch.arange(s, device=DEVICE)
+  tokens = cols[None] >= starts[:, None]
+  causal = cols[None, :] <= cols[:, None]
+  mask = (causal[None] & tokens[:, None, :])[:, None]
+  additive = torch.zeros(mask.shape, dtype=torch.bfloat16, device=DEVICE)
+  additive.masked_fill_(~mask, torch.finfo(torch.bfloat16).min)
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  with rtb.batch_invariant_mode():
+    full = sdpa(q, k, v, attn_mask=mask)
+    same = sdpa(q, k, v, attn_mask=additive)
+    for i in range(b):
+      st = int(starts[i])
+      alone = sdpa(q[i:i + 1, :, st:], k[i:i + 1, :, st:], v[i:i + 1, :, st:],
+                   is_causal=True)
+      _assert_bits(full[i, :, st:], alone[0], f"sequence {i} padded vs alone")
+      decode = sdpa(q[i:i + 1, :, -1:], k[i:i + 1, :, st:], v[i:i + 1, :, st:])
+      _assert_bits(decode[0, :, 0], alone[0, :, -1], f"sequence {i} decode")
+  _assert_bits(same, full, "additive vs bool mask")
+  ref = torch.nn.functional.scaled_dot_product_attention(
+      q.double(), k.double(), v.double(), attn_mask=mask)
+  rows = tokens[:, None, :, None].expand_as(ref)
+  err = (full.double() - ref)[rows].norm() / ref[rows].norm()
+  assert err < 1e-2, err
+
+
+def test_a_mask_it_cannot_express_goes_to_torch():
+  g = torch.Generator().manual_seed(4)
+  q, k, v = (torch.randn(2, 2, 8, 64, generator=g).to(DEVICE, torch.bfloat16)
+             for _ in range(3))
+  bidirectional = torch.ones(2, 1, 8, 8, dtype=torch.bool, device=DEVICE)
+  bidirectional[0, ..., 6:] = False
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  with pytest.warns(rtb.batch_invariant.BatchInvariantFallthrough,
+                    match="scaled_dot_product_attention"):
+    with rtb.batch_invariant_mode():
+      got = sdpa(q, k, v, attn_mask=bidirectional)
+  torch.testing.assert_close(got, sdpa(q, k, v, attn_mask=bidirectional))
+
+
+def test_rms_norm_mean_is_the_row_kernel():
+  # The mode's mean(-1) (every RMSNorm) is rlk::det_row_mean: each row's
+  # bits alone as in any batch, K ragged and a power of two.
+  g = torch.Generator().manual_seed(5)
+  for k in (1, 100, 1024, 4096 + 17):
+    x = torch.randn(37, k, generator=g).to(DEVICE) * 3
+    with rtb.batch_invariant_mode():
+      rows = x.pow(2).mean(-1, keepdim=True)
+      alone = [x[i:i + 1].pow(2).mean(-1, keepdim=True) for i in (0, 17, 36)]
+    for i, a in zip((0, 17, 36), alone):
+      assert torch.equal(rows[i:i + 1], a)
+    ref = x.double().pow(2).mean(-1, keepdim=True)
+    assert float((rows.double() - ref).norm() / ref.norm()) < 1e-6
