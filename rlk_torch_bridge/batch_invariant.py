@@ -3,8 +3,16 @@ batch-invariant: inside :func:`batch_invariant_mode`, ``torch.matmul``,
 ``@``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``F.linear`` (so every
 ``nn.Linear``) on bfloat16, float16 or float32 tensors run on rlk's
 det_gemm (the ``rlk::det_mm`` operator), in eager mode and under
-torch.compile alike; so does ``mean`` over the last dimension (an RMSNorm's),
-as a product with a ones vector.
+torch.compile alike; ``mean`` over the last dimension (an RMSNorm's) runs
+on ``rlk::det_row_mean`` (a row kernel); a causal decoder's
+``F.scaled_dot_product_attention``, and transformers' attention functions,
+run on det_attention (``rlk_torch_bridge.sdpa``,
+``rlk_torch_bridge.transformers_attention``). A product with K = 1 (a
+rotary embedding's) has no sum: it runs elementwise, exactly.
+
+While the mode is on, Inductor rounds fused bf16/f16 elementwise chains
+where eager does (``emulate_precision_casts``), so a compiled trainer gets
+an eager rollout's bits.
 
 Why a torch-function mode and not aten overrides (what Thinking Machines'
 ``batch_invariant_ops`` and vLLM register): Inductor lowers ``aten.mm`` to
@@ -24,10 +32,11 @@ a GEMM epilogue does.
 
 Why ``mean`` and not ``softmax``: torch's CUDA reduction kernel picks how
 many threads share one output's sum from the number of outputs, so a row's
-mean can change with the batch; as ``x @ ones / K`` it is a det_gemm
-product, row-invariant on every backend. torch's softmax and log_softmax
-kernels size their blocks from the row length alone (batch-invariant
-already: a device test checks it), so they stay torch's.
+mean can change with the batch; ``rlk::det_row_mean`` fixes one order per
+row length (on CPU it is ``x @ ones / K``, a det_gemm product). torch's
+softmax and log_softmax kernels size their blocks from the row length
+alone (batch-invariant already: a device test checks it), so they stay
+torch's.
 
 What the mode leaves to torch (other dtypes, devices or argument forms) it
 says once per function and reason, as a :class:`BatchInvariantFallthrough`
