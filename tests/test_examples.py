@@ -285,3 +285,14 @@ def test_torch_loss_and_advantages_match_jax(rng):
   loss_j = gj.clipped_surrogate_loss(logp, old, adv_j, m)
   np.testing.assert_allclose(float(loss_t), float(loss_j), rtol=1e-5,
                              atol=1e-6)
+
+
+def test_on_policy_torch_example_is_bitwise_under_the_mode(capsys):
+  from examples import on_policy_torch
+  out = on_policy_torch.main(device="cpu")
+  assert out["rlk"] == {"train_rollout_logprob_abs_diff": 0.0,
+                        "train_rollout_logprob_abs_diff_max": 0.0}
+  assert set(out["torch"]) == set(out["rlk"])
+  printed = capsys.readouterr().out
+  assert "rlk: train_rollout_logprob_abs_diff 0" in printed
+  assert "torch: train_rollout_logprob_abs_diff" in printed
