@@ -12,16 +12,21 @@ as torch's own mean does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlk_torch_bridge import _library
 
 
-def _on_row_kernel(x: torch.Tensor) -> bool:
-  if not x.is_cuda:
-    return False
+@functools.cache
+def _triton_importable() -> bool:
   from triton_kernels.backend import triton
   return triton is not None
+
+
+def _on_row_kernel(x: torch.Tensor) -> bool:
+  return x.is_cuda and _triton_importable()
 
 
 def _kernel(x):

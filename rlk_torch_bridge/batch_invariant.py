@@ -198,8 +198,7 @@ class _Products:
     (``rlk_torch_bridge.sdpa``). Eager calls with a mask check it on the
     host and leave a mask det_attention cannot express to torch; traced
     ones check on the device (NaN rows where it does not fit)."""
-    tensors = (query, key, value)
-    if not _takes(*tensors):
+    if not _takes(query, key, value):
       return NotImplemented
     reason = sdpa.refusal(query, key, value, attn_mask, dropout_p, is_causal,
                           enable_gqa)
@@ -207,8 +206,7 @@ class _Products:
       report_fallthrough("scaled_dot_product_attention", reason)
       return _NOT_OURS
     check = "device" if torch.compiler.is_compiling() else "host"
-    out = sdpa.attention(query, key, value, attn_mask, is_causal, scale,
-                         check=check)
+    out = sdpa.attention(query, key, value, attn_mask, scale, check=check)
     if out is None:
       report_fallthrough("scaled_dot_product_attention",
                          "a mask that is not causal with padding")

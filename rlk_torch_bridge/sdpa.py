@@ -29,7 +29,7 @@ is refused (``None``) in ``"host"`` checking, which reads one flag back.
 
 from __future__ import annotations
 
-import math
+import weakref
 
 import torch
 
@@ -76,19 +76,14 @@ def refusal(query, key, value, attn_mask, dropout_p, is_causal,
   return None
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-  """A bool or additive float mask as bool: additive entries must be 0
-  (seen) or very negative (hidden); anything else is a bias det_attention
-  cannot add, so it makes the check fail (it neither sees nor hides)."""
+def _seen_and_hidden(mask: torch.Tensor):
+  """A bool or additive float mask as (seen, hidden) bools; hidden is None
+  for a bool mask (it is ~seen). Additive entries must be 0 (seen) or very
+  negative (hidden); anything else is a bias det_attention cannot add, so
+  it is neither and the check fails."""
   if mask.dtype == torch.bool:
-    return mask
-  return mask == 0
-
-
-def _hidden(mask: torch.Tensor) -> torch.Tensor:
-  if mask.dtype == torch.bool:
-    return ~mask
-  return mask <= torch.finfo(mask.dtype).min / 2
+    return mask, None
+  return mask == 0, mask <= torch.finfo(mask.dtype).min / 2
 
 
 def _first_true(x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +100,7 @@ def _window_rows(cols, slots, window):
   return seen
 
 
-def attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
-              *, sliding_window=None, softcap=None, position_ids=None,
+def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=None, softcap=None, position_ids=None,
               check="device", implementation=None):
   """SDPA's computation for a causal decoder's call (``refusal`` says
   None), on det_attention: query ``[B, Hq, n, D]``, key and value ``[B,
@@ -114,9 +108,8 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
   attention functions return; SDPA's is its transpose). ``check`` is
   ``"device"`` or ``"host"`` (module docstring); with ``"host"`` a mask
   that does not fit gives None."""
-  b, hq, n, d = query.shape
+  b, _, n, _ = query.shape
   s_k = key.shape[2]
-  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
   q = query.transpose(1, 2)
   k = key.transpose(1, 2)
   v = value.transpose(1, 2)
@@ -151,8 +144,8 @@ def _layout(attn_mask, position_ids, b, n, s_k, window, device):
   if (not torch.compiler.is_compiling() and cached is not None
       and cached[0]() is attn_mask and cached[1] == key):
     return cached[2]
-  seen = _allowed(attn_mask).expand(b, 1, n, s_k)[:, 0]
-  hidden = _hidden(attn_mask).expand(b, 1, n, s_k)[:, 0]
+  seen, hidden = (None if m is None else m.expand(b, 1, n, s_k)[:, 0]
+                  for m in _seen_and_hidden(attn_mask))
   cols = torch.arange(s_k, device=device)
   if n == s_k:
     tokens = seen.diagonal(dim1=1, dim2=2)
@@ -176,16 +169,17 @@ def _layout(attn_mask, position_ids, b, n, s_k, window, device):
     layout = dict(kv_lens=torch.where(fits, end - start, n),
                   kv_start=torch.where(fits, start, 0))
   if not torch.compiler.is_compiling():
-    import weakref
     _last_layout[0] = (weakref.ref(attn_mask), key, (layout, fits))
   return layout, fits
 
 
 def _differs(seen, hidden, want):
-  """Where the mask is not `want` (seen where want says hidden, or not
-  hidden where want says so). XOR, not ==: Inductor's value-range pass
-  fails on == between two bool expressions it derived from aranges."""
-  return (seen ^ want) | ~(hidden ^ want)
+  """Where the mask is not `want` (seen where want says hidden, or, for an
+  additive mask, not hidden where want says so). XOR, not ==: Inductor's
+  value-range pass fails on == between two bool expressions it derived
+  from aranges."""
+  differs = seen ^ want
+  return differs if hidden is None else differs | ~(hidden ^ want)
 
 
 def _with_tokens(q, k, v, tokens, opts):

@@ -83,9 +83,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                         scale=scaling, sliding_window=sliding_window,
                         softcap=softcap)
     return out[None], None
-  out = sdpa.attention(query, key, value, attention_mask,
-                       is_causal=attention_mask is None and query.shape[2] > 1,
-                       scale=scaling, sliding_window=sliding_window,
+  out = sdpa.attention(query, key, value, attention_mask, scale=scaling, sliding_window=sliding_window,
                        softcap=softcap, position_ids=kwargs.get("position_ids"),
                        check="device")
   return out, None
