@@ -4,10 +4,10 @@ whatever the batch.
 
 On CUDA the row kernel of ``triton_kernels.row_sum`` runs natively on
 torch's stream (a fixed summation order per row length; that module says
-why). Elsewhere, or without Triton, the row is a det_gemm product with a
-ones vector (``x @ ones[K, 1]``), row-invariant by det_gemm's contract.
-Either way the float32 sum is divided by K and rounded once to x's dtype,
-as torch's own mean does.
+why), one launch a call. Elsewhere, or without Triton, the row is a
+det_gemm product with a ones vector (``x @ ones[K, 1]``), row-invariant by
+det_gemm's contract. Either way the float32 sum is divided by K and
+rounded once to x's dtype, as torch's own mean does.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ def _kernel(x):
   k = x.shape[-1]
   rows = x.reshape(-1, k)
   if _on_row_kernel(x):
-    from triton_kernels.row_sum import row_sum_torch
+    from triton_kernels.row_sum import row_mean_torch
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    total = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-      row_sum_torch(rows, total)
-  else:
-    from rlk_torch_bridge.functions import det_gemm
-    ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
-    total = det_gemm(rows, ones, out_dtype=torch.float32)[:, 0]
+      row_mean_torch(rows, out)
+    return out.reshape(x.shape[:-1])
+  from rlk_torch_bridge.functions import det_gemm
+  ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
+  total = det_gemm(rows, ones, out_dtype=torch.float32)[:, 0]
   return (total / k).to(x.dtype).reshape(x.shape[:-1])
 
 

@@ -14,6 +14,11 @@ While the mode is on, Inductor rounds fused bf16/f16 elementwise chains
 where eager does (``emulate_precision_casts``), so a compiled trainer gets
 an eager rollout's bits.
 
+transformers' ``generate`` under the mode decodes on the same replacements
+registered as aten kernels (``rlk_torch_bridge.transformers_generate``): in
+eager code a torch-function mode costs every torch call some Python, and a
+decoded token is hundreds of small calls.
+
 Why a torch-function mode and not aten overrides (what Thinking Machines'
 ``batch_invariant_ops`` and vLLM register): Inductor lowers ``aten.mm`` to
 its own matmul templates, so aten overrides never run in a compiled model.
@@ -52,7 +57,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rlk_torch_bridge import sdpa, transformers_attention
+from rlk_torch_bridge import sdpa, transformers_attention, transformers_generate
+from rlk_torch_bridge._aten_route import AtenRoute
 from rlk_torch_bridge._row_mean_op import det_row_mean
 from rlk_torch_bridge.functions import det_gemm
 
@@ -258,7 +264,13 @@ class BatchInvariantMode(TorchFunctionMode):
   def __init__(self, implementation: str | None = None):
     super().__init__()
     self.implementation = implementation
-    self._handlers = _handlers(_Products(implementation))
+    self._products = _Products(implementation)
+    self._handlers = _handlers(self._products)
+
+  def aten_route(self) -> AtenRoute:
+    """This mode's replacements as aten kernels, for eager code that should
+    not pay a torch-function mode's per-call cost (``_aten_route``)."""
+    return AtenRoute(self._products, _NOT_OURS, _report)
 
   def __enter__(self):
     # Inductor computes a chain of fused bf16/f16 elementwise ops in float32
@@ -268,6 +280,7 @@ class BatchInvariantMode(TorchFunctionMode):
     self._saved_casts = inductor.emulate_precision_casts
     inductor.emulate_precision_casts = True
     transformers_attention.enter()
+    transformers_generate.install()
     try:
       return super().__enter__()
     except BaseException:

@@ -34,14 +34,35 @@ import weakref
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op
+from rlk_torch_bridge import _attention_op, _cache_step
 from rlk_torch_bridge.attention import det_attention
+
+
+_refusals: dict = {}
 
 
 def refusal(query, key, value, attn_mask, dropout_p, is_causal,
             enable_gqa) -> str | None:
   """Why det_attention cannot compute this SDPA call (None: it can),
-  judged from shapes, dtypes and flags alone."""
+  judged from shapes, dtypes and flags alone (so remembered for them: a
+  decoder's layers ask the same question each step)."""
+  if torch.compiler.is_compiling():  # traced once; sizes may be symbolic
+    return _refusal(query, key, value, attn_mask, dropout_p, is_causal,
+                    enable_gqa)
+  signature = (query.shape, key.shape, value.shape, query.dtype, key.dtype,
+               value.dtype, None if attn_mask is None else attn_mask.shape,
+               dropout_p, is_causal, enable_gqa)
+  answer = _refusals.get(signature, _refusals)
+  if answer is _refusals:
+    if len(_refusals) >= 4096:
+      _refusals.clear()
+    answer = _refusals[signature] = _refusal(
+        query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+  return answer
+
+
+def _refusal(query, key, value, attn_mask, dropout_p, is_causal,
+             enable_gqa) -> str | None:
   if dropout_p:
     return f"dropout_p={dropout_p} (det_attention has no dropout)"
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
@@ -115,35 +136,58 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   v = value.transpose(1, 2)
   opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
               implementation=implementation)
+  step = n < s_k and _cache_step.eligible(query, key, value, implementation)
   if attn_mask is None:
     if n == s_k:
       return det_attention(q, k, v, **opts)
     # One new row against all keys (refusal admits nothing else here).
     full, = _attention_op.static_rows(q.device, (("full", b, s_k),))
+    if step:
+      return _cache_step.run(query, key, value, _cache_step.sequence_table(
+          key, n, None, full), scale, softcap, sliding_window)
     return det_attention(q, k, v, kv_lens=full, **opts)
   if attn_mask.ndim == 2:
     return _with_tokens(q, k, v, attn_mask.to(q.device).bool(), opts)
-  layout, fits = _layout(attn_mask, position_ids, b, n, s_k, sliding_window,
-                         q.device)
+  layout, fits, memo = _layout(attn_mask, position_ids, b, n, s_k,
+                               sliding_window, q.device)
   if check == "host" and not bool(fits.all()):
     return None
+  if step:
+    # Every layer of a forward shares the mask, so the table and the rows
+    # to poison are built once.
+    cache_rows = ("step", key.stride(0) // key.stride(2))
+    if cache_rows not in memo:
+      memo[cache_rows] = (_cache_step.sequence_table(
+          key, n, layout["kv_start"], layout["kv_lens"]),
+                          ~fits[:, None, None, None])
+    seqs, unfit = memo[cache_rows]
+    out = _cache_step.run(query, key, value, seqs, scale, softcap,
+                          sliding_window)
+    return out.masked_fill_(unfit, float("nan"))
   out = det_attention(q, k, v, **layout, **opts)
   return out.masked_fill(~fits[:, None, None, None], float("nan"))
 
 
-# The last mask read back: transformers hands every layer of a forward the
-# same mask object, so eager calls read it once per forward, not per layer.
-_last_layout: list = [None]
+# The last masks read back: transformers hands every layer of a forward the
+# same mask object (one per attention kind: Gemma's sliding and full layers
+# alternate), so eager calls read each once per forward, not per layer.
+_recent_layouts: list = []
+_RECENT = 4
 
 
 def _layout(attn_mask, position_ids, b, n, s_k, window, device):
-  """det_attention's layout arguments for a 4-D mask, and whether each
-  sequence's mask is the one they imply (bool [B])."""
-  key = (b, n, s_k, window, attn_mask._version, id(position_ids))
-  cached = _last_layout[0]
-  if (not torch.compiler.is_compiling() and cached is not None
-      and cached[0]() is attn_mask and cached[1] == key):
-    return cached[2]
+  """det_attention's layout arguments for a 4-D mask, whether each
+  sequence's mask is the one they imply (bool [B]), and a dict the caller
+  may keep what it derives from them in (cleared with the mask)."""
+  # Traced, nothing is remembered: and id() of a tensor made inside the
+  # graph (transformers' position ids when the caller gives none) is a
+  # graph break that made Dynamo skip the model's forward.
+  compiling = torch.compiler.is_compiling()
+  if not compiling:
+    key = (b, n, s_k, window, attn_mask._version, id(position_ids))
+    for ref, cached_key, cached in _recent_layouts:
+      if ref() is attn_mask and cached_key == key:
+        return cached
   seen, hidden = (None if m is None else m.expand(b, 1, n, s_k)[:, 0]
                   for m in _seen_and_hidden(attn_mask))
   cols = torch.arange(s_k, device=device)
@@ -168,9 +212,11 @@ def _layout(attn_mask, position_ids, b, n, s_k, window, device):
     fits &= last.any(-1) & (end - start >= n) & (start >= 0)
     layout = dict(kv_lens=torch.where(fits, end - start, n),
                   kv_start=torch.where(fits, start, 0))
-  if not torch.compiler.is_compiling():
-    _last_layout[0] = (weakref.ref(attn_mask), key, (layout, fits))
-  return layout, fits
+  result = (layout, fits, {})
+  if not compiling:
+    _recent_layouts.insert(0, (weakref.ref(attn_mask), key, result))
+    del _recent_layouts[_RECENT:]
+  return result
 
 
 def _differs(seen, hidden, want):

@@ -112,3 +112,31 @@ def test_decode_equals_prefill(rng, heads_per_tile, split, window, d):
                        chunks, config=config)
     assert np.array_equal(bits(out[0]), bits(full[pos])), pos
     assert torch.equal(lse[0], full_lse[pos])
+
+
+@pytest.mark.parametrize("n,hpt,window,softcap", [(1, 1, None, None),
+                                                  (1, 2, 9, None),
+                                                  (3, 1, None, 5.0)])
+def test_cache_step_reads_sdpa_cache_in_place_with_the_same_bits(
+    rng, n, hpt, window, softcap):
+  # transformers' cache [B, Hkv, S, D] read in place (the eager decode
+  # step) against the kernels on [B * S, Hkv, D] rows: the same bits.
+  from rlk_torch_bridge import _cache_step
+  b, s_cache = 3, 70
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, softcap, window)
+  query = _t(rng.standard_normal((b, HQ, n, D)))
+  key = _t(rng.standard_normal((b, HKV, s_cache, D)))
+  value = _t(rng.standard_normal((b, HKV, s_cache, D)))
+  kv_start = torch.tensor([0, 5, 31], dtype=torch.int32, device=DEVICE)
+  kv_lens = torch.tensor([70, 40, 3 + n], dtype=torch.int32, device=DEVICE)
+  chunks = -(-s_cache // CONFIG.fold_keys)
+  seqs = _cache_step.sequence_table(key, n, kv_start, kv_lens)
+  step = _cache_step.run(query, key, value, seqs, D ** -0.5, softcap, window,
+                         config=CONFIG, plan=(hpt, chunks))
+  rows = lambda x: x.transpose(1, 2).reshape(-1, *x.shape[1:2], D)
+  flat = _seqs([(i * n, n, i * s_cache + int(kv_start[i]), int(kv_lens[i]))
+                for i in range(b)])
+  out, _ = forward(rows(query).contiguous(), rows(key).contiguous(),
+                   rows(value).contiguous(), flat, statics, hpt, chunks)
+  np.testing.assert_array_equal(bits(step.reshape(-1, HQ, D)), bits(out))
+  assert not torch.isnan(step).any()

@@ -161,3 +161,56 @@ def test_rms_norm_mean_is_the_row_kernel():
       assert torch.equal(rows[i:i + 1], a)
     ref = x.double().pow(2).mean(-1, keepdim=True)
     assert float((rows.double() - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_generate_decodes_on_the_aten_route_with_the_modes_bits(monkeypatch):
+  # generate under the mode decodes with the torch-function mode off the
+  # stack and its replacements as aten kernels (no per-call Python for the
+  # ops it leaves alone); the bits are the torch-function mode's.
+  from rlk_torch_bridge import _aten_route, transformers_generate
+  model = opc.build("llama", WIDTH, device=DEVICE)
+  modes_on_stack = []
+  enter = _aten_route.AtenRoute.__enter__
+
+  def spy(self):
+    modes_on_stack.append(torch._C._len_torch_function_stack())
+    return enter(self)
+
+  monkeypatch.setattr(_aten_route.AtenRoute, "__enter__", spy)
+  with rtb.batch_invariant_mode():
+    on_route = _rollout(model)
+    # A forward that will be compiled keeps the torch-function mode.
+    assert transformers_generate._compiled(
+        model, {"cache_implementation": "static"})
+    monkeypatch.setattr(transformers_generate, "_compiled", lambda *_: True)
+    on_mode = _rollout(model)
+  assert modes_on_stack == [0]
+  assert torch.equal(on_route.completions, on_mode.completions)
+  _assert_bits(on_route.logp, on_mode.logp, "aten route vs torch-function mode")
+
+
+def test_aten_route_replaces_products_even_in_inference_mode(monkeypatch):
+  from rlk_torch_bridge import batch_invariant
+  calls = []
+  det_gemm = batch_invariant.det_gemm
+  monkeypatch.setattr(batch_invariant, "det_gemm",
+                      lambda a, *args, **kw: calls.append(a.shape) or
+                      det_gemm(a, *args, **kw))
+  g = torch.Generator().manual_seed(6)
+  x = torch.randn(5, 3, 64, generator=g).to(DEVICE, torch.bfloat16)
+  w = torch.randn(48, 64, generator=g).to(DEVICE, torch.bfloat16)
+  mode = batch_invariant.BatchInvariantMode()
+  with mode:
+    want = torch.nn.functional.linear(x, w)
+  with mode.aten_route():
+    with torch.inference_mode():
+      got = torch.nn.functional.linear(x, w)
+    wide = x[0].double()
+    left = wide @ wide.T  # float64: not the mode's, so torch's own
+  assert len(calls) == 2 and torch.equal(got, want)
+  assert torch.equal(left, x[0].double() @ x[0].double().T)
+  with mode.aten_route():  # the route leaves nothing behind on exit
+    pass
+  calls.clear()
+  torch.nn.functional.linear(x, w)
+  assert not calls

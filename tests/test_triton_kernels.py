@@ -217,13 +217,19 @@ def test_stats_over_chunks_equal_the_fused_kernel_bitwise(rng):
 
 
 @pytest.mark.parametrize("k", [1, 100, 1024, 2048 + 17])
-def test_row_sum_rows_alone_equal_their_batch(k, rng):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_mean_rows_alone_equal_their_batch(k, dtype, rng):
   torch = pytest.importorskip("torch")
   from triton_kernels import row_sum
-  x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
-  batch = row_sum.row_sum_torch(x, torch.empty(9))
+  dt = getattr(torch, dtype)
+  x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32)).to(dt)
+  batch = row_sum.row_mean_torch(x, torch.empty(9, dtype=dt))
   for i in (0, 4, 8):
-    alone = row_sum.row_sum_torch(x[i:i + 1], torch.empty(1))
-    assert alone.numpy().tobytes() == batch[i:i + 1].numpy().tobytes()
-  ref = x.double().sum(-1)
-  assert float((batch.double() - ref).norm() / ref.norm()) < 1e-6
+    alone = row_sum.row_mean_torch(x[i:i + 1], torch.empty(1, dtype=dt))
+    assert torch.equal(alone.view(torch.int16 if dtype == "bfloat16" else
+                                  torch.int32),
+                       batch[i:i + 1].view(torch.int16 if dtype == "bfloat16"
+                                           else torch.int32))
+  ref = x.double().mean(-1)
+  tol = 1e-6 if dtype == "float32" else 8e-3
+  assert float((batch.double() - ref).norm() / ref.norm()) < tol

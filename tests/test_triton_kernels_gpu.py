@@ -225,3 +225,28 @@ def test_default_routes_take_no_deprecated_pallas_lowering(rng):
     jax.block_until_ready(jax.jit(jax.grad(
         lambda h, w: rlk_jax.linear_logp(h, w, targets).sum(),
         argnums=(0, 1)))(hidden, weight))
+
+
+def test_launcher_fast_path_gives_tritons_own_launch_bits():
+  # triton_kernels.backend.Launcher: after its first launch of a key it
+  # calls the compiled kernel directly; the bits are Triton's own launch's,
+  # and an argument Triton specialises otherwise (a misaligned view) gets
+  # its own compiled kernel.
+  torch = pytest.importorskip("torch")
+  from triton_kernels import row_sum
+  from triton_kernels.backend import Launcher
+  k = 4096 + 17
+  flat = torch.randn(40 * k, device="cuda").to(torch.bfloat16)
+  launcher = Launcher(row_sum._row_mean_kernel)
+  for offset, rows in ((0, 37), (1, 36)):
+    x = flat[offset:offset + rows * k].view(rows, k)
+    want = torch.empty(rows, dtype=torch.bfloat16, device="cuda")
+    row_sum._row_mean_kernel[(rows,)](
+        x, want, k, x.stride(0), float(k), BLOCK=row_sum.block_for(k),
+        num_warps=4)
+    for _ in range(3):
+      got = torch.full_like(want, float("nan"))
+      launcher((rows,), ("mean",), x, got, k, x.stride(0), float(k),
+               BLOCK=row_sum.block_for(k), num_warps=4)
+      assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+  assert len(launcher._compiled) == 2

@@ -54,7 +54,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from triton_kernels.backend import interpreted, jax_triton, triton, tl
+from triton_kernels.backend import (Launcher, interpreted, jax_triton,
+                                    triton, tl)
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "backward_jax", "backward_torch", "LOG2E"]
@@ -545,6 +546,12 @@ if triton is not None:
                mask=row_ok[:, None])
 
 
+if triton is not None:
+  _launch_fwd = Launcher(_fwd_kernel)
+  _launch_split = Launcher(_fwd_split_kernel)
+  _launch_combine = Launcher(_fwd_combine_kernel)
+
+
 @dataclasses.dataclass(frozen=True)
 class Statics:
   """What a launch compiles in: the model's attention settings."""
@@ -628,32 +635,38 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
 
 def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
                   config: AttentionConfig, heads_per_tile: int,
-                  split_chunks: int = 0):
+                  split_chunks: int = 0, kv_strides=None):
   """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors);
-  `split_chunks` as in forward_jax."""
+  `split_chunks` as in forward_jax. q is [Tq, Hq, D] with any token and
+  head strides; so are k and v [Tk, Hkv, D], or `kv_strides` gives their
+  ((token, head), (token, head)) strides (a [B, Hkv, S, D] cache read in
+  place: token stride D, head stride S D). D is contiguous everywhere."""
   import torch
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
-  meta = _fwd_meta(statics, config, heads_per_tile, interpreted(),
-                   bool(split_chunks))
+  split = bool(split_chunks)
+  meta = _fwd_meta(statics, config, heads_per_tile, interpreted(), split)
+  key = (tuple(meta.values()), config.warps(split), config.num_stages)
+  kv = kv_strides or ((k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)))
+  strides = (q.stride(0), q.stride(1), *kv[0], *kv[1])
   if not split_chunks:
-    _fwd_kernel[grid](
-        q, k, v, seqs, tiles, out, lse, seqs.shape[1],
-        *_strides(q, k, v, out), hq, num_warps=config.num_warps,
-        num_stages=config.num_stages, **meta)
+    _launch_fwd(grid, key, q, k, v, seqs, tiles, out, lse, seqs.shape[1],
+                *strides, *_strides(out), hq, num_warps=config.num_warps,
+                num_stages=config.num_stages, **meta)
     return out, lse
-  part = torch.empty((split_chunks, tq, hq, d), dtype=torch.float32,
+  # One f32 workspace for the partials: acc [chunks, Tq, Hq, D], then
+  # (m, l) [chunks, Tq, Hq, 2].
+  n_acc = split_chunks * tq * hq * d
+  work = torch.empty(n_acc + split_chunks * tq * hq * 2, dtype=torch.float32,
                      device=q.device)
-  ml = torch.empty((split_chunks, tq, hq, 2), dtype=torch.float32,
-                   device=q.device)
-  _fwd_split_kernel[grid + (split_chunks,)](
-      q, k, v, seqs, tiles, part, ml, seqs.shape[1], tq,
-      *_strides(q, k, v), num_warps=config.warps(True),
-      num_stages=config.num_stages, **meta)
-  _fwd_combine_kernel[(triton.cdiv(tq * hq, _COMBINE_BLOCK),
-                       d // _COMBINE_BLOCK_D)](
-      part, ml, out, lse, tq * hq, split_chunks, HEAD_DIM=d,
-      BLOCK=_COMBINE_BLOCK, BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
+  ml = work[n_acc:]
+  _launch_split(grid + (split_chunks,), key, q, k, v, seqs, tiles, work, ml,
+                seqs.shape[1], tq, *strides, num_warps=config.warps(True),
+                num_stages=config.num_stages, **meta)
+  _launch_combine((triton.cdiv(tq * hq, _COMBINE_BLOCK),
+                   d // _COMBINE_BLOCK_D), (d,), work, ml, out, lse,
+                  tq * hq, split_chunks, HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
+                  BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
   return out, lse
 
 

@@ -1,4 +1,4 @@
-"""Sum over the last dimension, one row per program, as a ``@triton.jit``
+"""Mean over the last dimension, one row per program, as a ``@triton.jit``
 kernel (what an RMSNorm's ``x.pow(2).mean(-1)`` reduces).
 
 Why it is batch-invariant: a row's sum is read in ``BLOCK``-wide slices,
@@ -9,15 +9,20 @@ is summed in the same order whatever the batch. (torch's CUDA reduction
 sizes its thread groups from the number of outputs as well, so there a
 row's bits can change with the batch.)
 
-Launcher: ``row_sum_torch`` (torch tensors; Triton's interpreter under
+The float32 sum is divided by the row length with IEEE rounding and
+rounded once to the output's dtype: torch's ``(sum / k).to(dtype)``, in
+the kernel, so a mean is one launch (an eager decode step waits on the
+host).
+
+Launcher: ``row_mean_torch`` (torch tensors; Triton's interpreter under
 ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
-from triton_kernels.backend import triton, tl
+from triton_kernels.backend import Launcher, triton, tl
 
-__all__ = ["block_for", "row_sum_torch"]
+__all__ = ["block_for", "row_mean_torch"]
 
 _MAX_BLOCK = 1024
 _NUM_WARPS = 4
@@ -32,7 +37,8 @@ def block_for(k: int) -> int:
 if triton is not None:
 
   @triton.jit
-  def _row_sum_kernel(x_ptr, out_ptr, k, row_stride, BLOCK: tl.constexpr):
+  def _row_mean_kernel(x_ptr, out_ptr, k, row_stride, k_float,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -40,13 +46,17 @@ if triton is not None:
       cols = start + lanes
       acc += tl.load(x_ptr + row * row_stride + cols, mask=cols < k,
                      other=0.0).to(tl.float32)
-    tl.store(out_ptr + row, tl.sum(acc, axis=0))
+    mean = tl.math.div_rn(tl.sum(acc, axis=0), k_float)
+    tl.store(out_ptr + row, mean.to(out_ptr.dtype.element_ty))
+
+  _launch = Launcher(_row_mean_kernel)
 
 
-def row_sum_torch(x, out):
-  """out[r] = sum of x[r, :] in float32; x [R, K] with unit column stride,
-  out float32 [R]; R, K > 0."""
+def row_mean_torch(x, out):
+  """out[r] = mean of x[r, :] (float32 sum, one rounding to out's dtype);
+  x [R, K] with unit column stride, out [R]; R, K > 0 (K < 2**24)."""
   rows, k = x.shape
-  _row_sum_kernel[(rows,)](x, out, k, x.stride(0), BLOCK=block_for(k),
-                           num_warps=_NUM_WARPS)
+  block = block_for(k)
+  _launch((rows,), (block, _NUM_WARPS), x, out, k, x.stride(0), float(k),
+          BLOCK=block, num_warps=_NUM_WARPS)
   return out

@@ -1,0 +1,100 @@
+"""One KV-cache step of det_attention read straight from SDPA's cache
+layout, for eager decoding (what ``rlk_torch_bridge.sdpa`` runs when a
+transformers model decodes under ``batch_invariant_mode``).
+
+Why a second entry: a decode step's attention is a few µs of GPU work, so
+an eager rollout waits on the host. The general path
+(``attention.det_attention``) checks its operands, copies the cache from
+``[B, Hkv, S, D]`` into ``[B, S, Hkv, D]`` rows, builds the sequence table
+and goes through the operator: about ten times SDPA's host time. Here the
+kernels read the cache where it lies (token stride = the cache's slot
+stride, head stride = its head stride, sequence b's first row ``b *
+batch_stride / slot_stride``), the caller builds the sequence table once per
+forward (every layer shares it) and the kernels launch through
+``triton_kernels.backend.Launcher``.
+
+Bits: the same kernels with the same tiles, heads per program and key
+chunks as the general path (``decode_plan`` of the same shapes); only the
+addresses they read differ. A device test compares the two bitwise.
+
+Eager, gradient-free CUDA calls on the Triton kernels only; the rest (CPU,
+torch.compile, autograd, other implementations) take the general path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from rlk_jax import _attention
+from rlk_torch_bridge import _attention_op, _library
+
+
+@functools.cache
+def _triton_importable() -> bool:
+  from triton_kernels.backend import triton
+  return triton is not None
+
+
+def eligible(query, key, value, implementation) -> bool:
+  """Whether this SDPA-layout call (q ``[B, Hq, n, D]``, cache ``[B, Hkv,
+  S, D]``) can take the step. Operand checks are the caller's
+  (``sdpa.refusal``)."""
+  if (not query.is_cuda or torch.compiler.is_compiling()
+      or _library.needs_grad(query, key, value)):
+    return False
+  if _attention_op.choose(implementation, "gpu") != "triton":
+    return False
+  ks = key.stride()
+  return (query.stride(-1) == 1 and ks[-1] == 1 and ks == value.stride()
+          and ks[0] % ks[2] == 0 and _triton_importable())
+
+
+def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:
+  """det_attention's int32 ``[4, B]`` table (q_start, q_len, k_start,
+  k_len) for `n` new rows per sequence against this cache, keys read in
+  place. `kv_start` may be None (every sequence starts at slot 0)."""
+  b = key.shape[0]
+  rows_per_batch = key.stride(0) // key.stride(2)
+  q_start, q_len, k_base = _attention_op.static_rows(
+      key.device, (("arange", b, n), ("full", b, n),
+                   ("arange", b, rows_per_batch)))
+  k_start = k_base if kv_start is None else k_base + kv_start
+  return torch.stack([q_start, q_len, k_start, kv_lens.to(torch.int32)])
+
+
+@functools.lru_cache(maxsize=256)
+def _statics(group, head_dim, scale, softcap, window):
+  from triton_kernels import attention as kernels
+  return kernels.Statics(group, head_dim, scale, softcap, window)
+
+
+def run(query, key, value, seqs, scale=None, softcap=None, window=None,
+        config=None, plan=None) -> torch.Tensor:
+  """The step's output ``[B, n, Hq, D]`` (transformers' layout). `config`
+  and `plan` (heads per program, key chunks) default to the device's tiles
+  and ``decode_plan`` (the interpreter's tests pass theirs)."""
+  from triton_kernels import attention as kernels
+  b, hq, n, d = query.shape
+  hkv, s_cache = key.shape[1], key.shape[2]
+  # n = 1: [B, Hq, D] is a view (token stride = the batch stride).
+  q = query[:, :, 0] if n == 1 else query.transpose(1, 2).reshape(b * n, hq, d)
+  hpt, chunks = plan or _attention.decode_plan(
+      "kv cache", (b, n, hq, d), (b, s_cache, hkv, d), hq // hkv)
+  config = config or kernels.config_for(d)
+  tokens = config.tile_rows(True) // hpt
+  tiles, = _attention_op.static_rows(
+      query.device, (("tiles", b, -(-n // tokens), tokens),))
+  statics = _statics(hq // hkv, d,
+                     float(1.0 / math.sqrt(d) if scale is None else scale),
+                     None if softcap is None else float(softcap),
+                     None if window is None else int(window))
+  out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
+  lse = torch.empty((b * n, hq), dtype=torch.float32, device=query.device)
+  ks, vs = key.stride(), value.stride()
+  kernels.forward_torch(q, key, value, seqs, tiles, out, lse, statics, config,
+                        hpt, chunks, kv_strides=((ks[2], ks[1]),
+                                                 (vs[2], vs[1])))
+  return out.view(b, n, hq, d)

@@ -1,0 +1,82 @@
+"""transformers' ``generate`` under :func:`~rlk_torch_bridge.batch_invariant_mode`:
+eager decoding runs on the mode's aten route (``_aten_route``) instead of
+through the torch-function mode.
+
+Why: an eager decode step is hundreds of small torch calls around a few µs
+of GPU work each, so its time is the host's. The torch-function mode sees
+every one of those calls in Python, the ones it leaves alone included; the
+aten route replaces only its ops, with the same handlers (the same bits).
+
+When: ``generate`` is called with the mode as the innermost torch-function
+mode and a forward that will run eagerly. transformers compiles the
+forward itself for a compileable cache (a static cache), and a user may
+have compiled it; those keep the mode, which torch.compile traces. The
+patch is installed once, on the first mode entered after transformers is
+imported, and does nothing outside the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+
+_installed = False
+
+
+def _compiled(model, kwargs) -> bool:
+  """Whether this ``generate`` call runs a compiled forward."""
+  forward = getattr(model, "forward", None)
+  if hasattr(forward, "_torchdynamo_orig_callable") or hasattr(
+      model, "_orig_mod"):
+    return True
+  config = kwargs.get("generation_config") or getattr(
+      model, "generation_config", None)
+  if getattr(config, "disable_compile", False):
+    return False
+  implementation = kwargs.get("cache_implementation",
+                              getattr(config, "cache_implementation", None))
+  if implementation not in (None, "dynamic"):
+    return True
+  cache = kwargs.get("past_key_values")
+  return (cache is not None and bool(getattr(cache, "is_compileable", False))
+          and type(cache).__name__ != "DynamicCache")
+
+
+@contextlib.contextmanager
+def decoding_route(model, kwargs):
+  """Runs the block on the aten route if the innermost torch-function mode
+  is a batch-invariant mode and the forward runs eagerly."""
+  from rlk_torch_bridge import batch_invariant
+  depth = torch._C._len_torch_function_stack()
+  mode = torch._C._get_function_stack_at(depth - 1) if depth else None
+  if (not isinstance(mode, batch_invariant.BatchInvariantMode)
+      or _compiled(model, kwargs)):
+    yield
+    return
+  popped = torch._C._pop_torch_function_stack()
+  try:
+    with mode.aten_route():
+      yield
+  finally:
+    torch._C._push_on_torch_function_stack(popped)
+
+
+def install() -> None:
+  """Wraps ``GenerationMixin.generate`` (once; transformers must be
+  imported, as any model class imports it)."""
+  global _installed
+  if _installed or "transformers.generation.utils" not in sys.modules:
+    return
+  from transformers.generation import utils
+  original = utils.GenerationMixin.generate
+
+  @functools.wraps(original)
+  def generate(self, *args, **kwargs):
+    with decoding_route(self, kwargs):
+      return original(self, *args, **kwargs)
+
+  utils.GenerationMixin.generate = generate
+  _installed = True
