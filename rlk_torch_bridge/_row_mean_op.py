@@ -1,13 +1,15 @@
-"""``rlk::det_row_mean``: the mean over the last dimension of a bf16, f16
-or f32 tensor (an RMSNorm's ``x.pow(2).mean(-1)``), each row's bits its own
-whatever the batch.
+"""``rlk::det_row_mean`` and ``rlk::det_row_sum``: the mean (an RMSNorm's
+``x.pow(2).mean(-1)``) and the sum (the gradient of an RMSNorm's per-row
+scale) over the last dimension of a bf16, f16 or f32 tensor, each row's
+bits its own whatever the batch.
 
 On CUDA the row kernel of ``triton_kernels.row_sum`` runs natively on
 torch's stream (a fixed summation order per row length; that module says
 why), one launch a call. Elsewhere, or without Triton, the row is a
 det_gemm product with a ones vector (``x @ ones[K, 1]``), row-invariant by
-det_gemm's contract. Either way the float32 sum is divided by K and
-rounded once to x's dtype, as torch's own mean does.
+det_gemm's contract. Either way the float32 sum is divided by K (the
+mean; by 1, exactly, for the sum) and rounded once to x's dtype, as
+torch's own mean does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _on_row_kernel(x: torch.Tensor) -> bool:
   return x.is_cuda and _triton_importable()
 
 
-def _kernel(x):
+def _reduce(x, divisor: int):
   k = x.shape[-1]
   rows = x.reshape(-1, k)
   if _on_row_kernel(x):
@@ -37,12 +39,20 @@ def _kernel(x):
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-      row_mean_torch(rows, out)
+      row_mean_torch(rows, out, divisor)
     return out.reshape(x.shape[:-1])
   from rlk_torch_bridge.functions import det_gemm
   ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
   total = det_gemm(rows, ones, out_dtype=torch.float32)[:, 0]
-  return (total / k).to(x.dtype).reshape(x.shape[:-1])
+  return (total / divisor).to(x.dtype).reshape(x.shape[:-1])
+
+
+def _kernel(x):
+  return _reduce(x, x.shape[-1])
+
+
+def _sum_kernel(x):
+  return _reduce(x, 1)
 
 
 def _fake(x):
@@ -74,3 +84,46 @@ OP = _library.define("det_row_mean", "(Tensor x) -> Tensor", _kernel, _fake,
 def det_row_mean(x: torch.Tensor) -> torch.Tensor:
   """Mean over x's last dimension (K > 0), batch-invariant per row."""
   return _library.call(OP, x)
+
+
+class DetRowSum(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x):
+    ctx.shape = x.shape
+    return _library.below_autograd(SUM_OP, x)
+
+  @staticmethod
+  def backward(ctx, g):
+    return g.unsqueeze(-1).expand(ctx.shape)
+
+
+SUM_OP = _library.define("det_row_sum", "(Tensor x) -> Tensor", _sum_kernel,
+                         _fake, DetRowSum, _differentiable)
+
+
+def det_row_sum(x: torch.Tensor) -> torch.Tensor:
+  """Sum over x's last dimension (K > 0), batch-invariant per row."""
+  return _library.call(SUM_OP, x)
+
+
+class RowScaled(torch.autograd.Function):
+  """``x * s`` with ``s [..., 1]`` one scale per row of ``x [..., K]`` (an
+  RMSNorm's ``x * rsqrt(var)``). The product is torch's (elementwise: exact
+  and invariant as it is). The scale's gradient sums ``g * x`` over the row:
+  torch's broadcast backward does that with its own reduction, whose order
+  can follow the number of rows; here it is ``det_row_sum``, so each row's
+  gradient is its own whatever the batch."""
+
+  @staticmethod
+  def forward(ctx, x, s):
+    ctx.save_for_backward(x, s)
+    return x * s
+
+  @staticmethod
+  def backward(ctx, g):
+    x, s = ctx.saved_tensors
+    gx = g * s if ctx.needs_input_grad[0] else None
+    gs = (det_row_sum(g * x).unsqueeze(-1) if ctx.needs_input_grad[1]
+          else None)
+    return gx, gs

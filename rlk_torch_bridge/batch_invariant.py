@@ -4,9 +4,10 @@ batch-invariant: inside :func:`batch_invariant_mode`, ``torch.matmul``,
 ``nn.Linear``) on bfloat16, float16 or float32 tensors run on rlk's
 det_gemm (the ``rlk::det_mm`` operator), in eager mode and under
 torch.compile alike; ``mean`` over the last dimension (an RMSNorm's) runs
-on ``rlk::det_row_mean`` (a row kernel); a causal decoder's
-``F.scaled_dot_product_attention``, and transformers' attention functions,
-run on det_attention (``rlk_torch_bridge.sdpa``,
+on ``rlk::det_row_mean`` (a row kernel), and the gradient of a per-row
+scale (an RMSNorm's ``x * rsqrt(var)``) on ``rlk::det_row_sum``; a causal
+decoder's ``F.scaled_dot_product_attention``, and transformers' attention
+functions, run on det_attention (``rlk_torch_bridge.sdpa``,
 ``rlk_torch_bridge.transformers_attention``). A product with K = 1 (a
 rotary embedding's) has no sum: it runs elementwise, exactly.
 
@@ -59,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from rlk_torch_bridge import sdpa, transformers_attention, transformers_generate
 from rlk_torch_bridge._aten_route import AtenRoute
-from rlk_torch_bridge._row_mean_op import det_row_mean
+from rlk_torch_bridge._row_mean_op import RowScaled, det_row_mean
 from rlk_torch_bridge.functions import det_gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -198,6 +199,22 @@ class _Products:
     out = det_row_mean(x)
     return out.unsqueeze(-1) if keepdim else out
 
+  def mul(self, a, b):
+    """A product scaling each row of ``x [..., K]`` by ``s [..., 1]`` that
+    needs the scale's gradient (an RMSNorm's ``x * rsqrt(var)``):
+    ``RowScaled``, whose backward sums each row on the row kernel. Every
+    other product is torch's (elementwise, invariant as it is)."""
+    if (not torch.is_grad_enabled() or not isinstance(a, torch.Tensor)
+        or not isinstance(b, torch.Tensor)):
+      return _NOT_OURS
+    for x, s in ((a, b), (b, a)):
+      if (s.requires_grad and s.ndim == x.ndim >= 1 and s.shape[-1] == 1
+          and x.shape[-1] > 1 and s.shape[:-1] == x.shape[:-1]
+          and s.dtype == x.dtype and x.dtype in SUPPORTED_DTYPES
+          and s.device == x.device):
+        return RowScaled.apply(x, s)
+    return _NOT_OURS
+
   def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0,
            is_causal=False, scale=None, enable_gqa=False):
     """A causal decoder's ``scaled_dot_product_attention`` on det_attention
@@ -246,6 +263,8 @@ def _handlers(products: _Products) -> dict:
   matmul = products.matmul
   return {
       torch.mean: products.mean, torch.Tensor.mean: products.mean,
+      torch.mul: products.mul, torch.Tensor.mul: products.mul,
+      torch.Tensor.__mul__: products.mul, torch.Tensor.__rmul__: products.mul,
       torch.matmul: matmul, torch.Tensor.matmul: matmul,
       torch.Tensor.__matmul__: matmul,
       torch.Tensor.__rmatmul__: lambda b, a: matmul(a, b),

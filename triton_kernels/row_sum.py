@@ -1,5 +1,6 @@
-"""Mean over the last dimension, one row per program, as a ``@triton.jit``
-kernel (what an RMSNorm's ``x.pow(2).mean(-1)`` reduces).
+"""Mean (or sum) over the last dimension, one row per program, as a
+``@triton.jit`` kernel (what an RMSNorm's ``x.pow(2).mean(-1)`` reduces,
+and its scale's gradient sums).
 
 Why it is batch-invariant: a row's sum is read in ``BLOCK``-wide slices,
 in order, into a ``BLOCK``-lane float32 accumulator, then the lanes are
@@ -9,10 +10,10 @@ is summed in the same order whatever the batch. (torch's CUDA reduction
 sizes its thread groups from the number of outputs as well, so there a
 row's bits can change with the batch.)
 
-The float32 sum is divided by the row length with IEEE rounding and
-rounded once to the output's dtype: torch's ``(sum / k).to(dtype)``, in
-the kernel, so a mean is one launch (an eager decode step waits on the
-host).
+The float32 sum is divided by the row length (1 for a sum: exact) with
+IEEE rounding and rounded once to the output's dtype: torch's ``(sum /
+k).to(dtype)``, in the kernel, so a mean is one launch (an eager decode
+step waits on the host).
 
 Launcher: ``row_mean_torch`` (torch tensors; Triton's interpreter under
 ``TRITON_INTERPRET=1``).
@@ -37,7 +38,7 @@ def block_for(k: int) -> int:
 if triton is not None:
 
   @triton.jit
-  def _row_mean_kernel(x_ptr, out_ptr, k, row_stride, k_float,
+  def _row_mean_kernel(x_ptr, out_ptr, k, row_stride, divisor,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
@@ -46,17 +47,19 @@ if triton is not None:
       cols = start + lanes
       acc += tl.load(x_ptr + row * row_stride + cols, mask=cols < k,
                      other=0.0).to(tl.float32)
-    mean = tl.math.div_rn(tl.sum(acc, axis=0), k_float)
+    mean = tl.math.div_rn(tl.sum(acc, axis=0), divisor)
     tl.store(out_ptr + row, mean.to(out_ptr.dtype.element_ty))
 
   _launch = Launcher(_row_mean_kernel)
 
 
-def row_mean_torch(x, out):
-  """out[r] = mean of x[r, :] (float32 sum, one rounding to out's dtype);
+def row_mean_torch(x, out, divisor: int | None = None):
+  """out[r] = sum of x[r, :] / divisor (float32 sum and division, one
+  rounding to out's dtype; divisor K, the mean, by default, 1 for the sum);
   x [R, K] with unit column stride, out [R]; R, K > 0 (K < 2**24)."""
   rows, k = x.shape
   block = block_for(k)
-  _launch((rows,), (block, _NUM_WARPS), x, out, k, x.stride(0), float(k),
-          BLOCK=block, num_warps=_NUM_WARPS)
+  _launch((rows,), (block, _NUM_WARPS), x, out, k, x.stride(0),
+          float(k if divisor is None else divisor), BLOCK=block,
+          num_warps=_NUM_WARPS)
   return out
