@@ -12,7 +12,9 @@ mode and a forward that will run eagerly. transformers compiles the
 forward itself for a compileable cache (a static cache), and a user may
 have compiled it; those keep the mode, which torch.compile traces. The
 patch is installed once, on the first mode entered after transformers is
-imported, and does nothing outside the mode.
+imported, and does nothing outside the mode. The aten kernels are
+process-wide while such a ``generate`` runs: another thread's products in
+that time take det_gemm too (the same values up to rounding, slower).
 """
 
 from __future__ import annotations
