@@ -49,7 +49,7 @@ def eligible(query, key, value, implementation) -> bool:
     return False
   ks = key.stride()
   return (query.stride(-1) == 1 and ks[-1] == 1 and ks == value.stride()
-          and ks[0] % ks[2] == 0 and _triton_importable())
+          and ks[2] > 0 and ks[0] % ks[2] == 0 and _triton_importable())
 
 
 def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:
