@@ -83,6 +83,14 @@ def static_rows(device, specs):
   return out
 
 
+def decode_tiles(device, b: int, n: int, tokens: int):
+  """A KV-cache call's tile map (`tokens` query rows a tile): every
+  sequence has the same `n` q rows, so it is a function of shapes (the same
+  ints as _tile_map's), made once."""
+  tiles, = static_rows(device, (("tiles", b, -(-n // tokens), tokens),))
+  return tiles
+
+
 def _covered(starts, lengths, n):
   """rlk_jax._attention.covered_rows in torch."""
   edges = torch.zeros((n + 1,), dtype=torch.int32, device=starts.device)
@@ -112,11 +120,8 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
     config = kernels.config_for(s.head_dim)
     tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
     if split_chunks:
-      # A KV-cache call: every sequence has the same q rows, so its tile
-      # map is a function of shapes (the same ints as _tile_map's).
       b = seqs.shape[1]
-      n = q.shape[0] // b
-      tiles, = static_rows(q.device, (("tiles", b, -(-n // tokens), tokens),))
+      tiles = decode_tiles(q.device, b, q.shape[0] // b, tokens)
     else:
       tiles = _tile_map(seqs[1], tokens, kernels.tile_bound(
           q.shape[0], seqs.shape[1], tokens))

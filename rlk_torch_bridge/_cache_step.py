@@ -84,9 +84,8 @@ def run(query, key, value, seqs, scale=None, softcap=None, window=None,
   hpt, chunks = plan or _attention.decode_plan(
       "kv cache", (b, n, hq, d), (b, s_cache, hkv, d), hq // hkv)
   config = config or kernels.config_for(d)
-  tokens = config.tile_rows(True) // hpt
-  tiles, = _attention_op.static_rows(
-      query.device, (("tiles", b, -(-n // tokens), tokens),))
+  tiles = _attention_op.decode_tiles(query.device, b, n,
+                                     config.tile_rows(True) // hpt)
   statics = _statics(hq // hkv, d,
                      float(1.0 / math.sqrt(d) if scale is None else scale),
                      None if softcap is None else float(softcap),

@@ -47,59 +47,46 @@ def _reduce(x, divisor: int):
   return (total / divisor).to(x.dtype).reshape(x.shape[:-1])
 
 
-def _kernel(x):
-  return _reduce(x, x.shape[-1])
-
-
-def _sum_kernel(x):
-  return _reduce(x, 1)
-
-
 def _fake(x):
   return x.new_empty(x.shape[:-1])
-
-
-class DetRowMean(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x):
-    ctx.shape = x.shape
-    return _library.below_autograd(OP, x)
-
-  @staticmethod
-  def backward(ctx, g):
-    # d mean / d x = 1/K for every element: no reduction, so no order.
-    k = ctx.shape[-1]
-    return (g / k).unsqueeze(-1).expand(ctx.shape)
 
 
 def _differentiable(x):
   return _library.needs_grad(x)
 
 
-OP = _library.define("det_row_mean", "(Tensor x) -> Tensor", _kernel, _fake,
-                     DetRowMean, _differentiable)
+def _define(name: str, mean: bool):
+  """``rlk::name``: the row mean (``mean``) or sum, with its autograd."""
+
+  class RowReduction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x):
+      ctx.shape = x.shape
+      return _library.below_autograd(op, x)
+
+    @staticmethod
+    def backward(ctx, g):
+      # d out / d x is 1/K (mean) or 1 (sum) for every element: no
+      # reduction, so no order.
+      g = g / ctx.shape[-1] if mean else g
+      return g.unsqueeze(-1).expand(ctx.shape)
+
+  def kernel(x):
+    return _reduce(x, x.shape[-1] if mean else 1)
+
+  op = _library.define(name, "(Tensor x) -> Tensor", kernel, _fake,
+                       RowReduction, _differentiable)
+  return op
+
+
+OP = _define("det_row_mean", mean=True)
+SUM_OP = _define("det_row_sum", mean=False)
 
 
 def det_row_mean(x: torch.Tensor) -> torch.Tensor:
   """Mean over x's last dimension (K > 0), batch-invariant per row."""
   return _library.call(OP, x)
-
-
-class DetRowSum(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x):
-    ctx.shape = x.shape
-    return _library.below_autograd(SUM_OP, x)
-
-  @staticmethod
-  def backward(ctx, g):
-    return g.unsqueeze(-1).expand(ctx.shape)
-
-
-SUM_OP = _library.define("det_row_sum", "(Tensor x) -> Tensor", _sum_kernel,
-                         _fake, DetRowSum, _differentiable)
 
 
 def det_row_sum(x: torch.Tensor) -> torch.Tensor:

@@ -136,13 +136,12 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   v = value.transpose(1, 2)
   opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
               implementation=implementation)
-  step = n < s_k and _cache_step.eligible(query, key, value, implementation)
   if attn_mask is None:
     if n == s_k:
       return det_attention(q, k, v, **opts)
     # One new row against all keys (refusal admits nothing else here).
     full, = _attention_op.static_rows(q.device, (("full", b, s_k),))
-    if step:
+    if _cache_step.eligible(query, key, value, implementation):
       return _cache_step.run(query, key, value, _cache_step.sequence_table(
           key, n, None, full), scale, softcap, sliding_window)
     return det_attention(q, k, v, kv_lens=full, **opts)
@@ -152,7 +151,7 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
                                sliding_window, q.device)
   if check == "host" and not bool(fits.all()):
     return None
-  if step:
+  if n < s_k and _cache_step.eligible(query, key, value, implementation):
     # Every layer of a forward shares the mask, so the table and the rows
     # to poison are built once.
     cache_rows = ("step", key.stride(0) // key.stride(2))
