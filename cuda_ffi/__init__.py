@@ -156,6 +156,9 @@ def _declare(lib: ctypes.CDLL) -> None:
       (lib.rlk_logits_finish, [vp] * 6 + [i64, i64] + [vp] * 3),
       (lib.rlk_logits_grad, [vp] * 7 + [i64, i64, f32, vp])):
     entry.restype, entry.argtypes = ctypes.c_char_p, argtypes
+  lib.rlk_row_reduce.restype = ctypes.c_char_p
+  lib.rlk_row_reduce.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_float,
+                                 ctypes.c_int]
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -521,3 +524,22 @@ def launch_logits_grad(stream: int, logits_ptr: int, row_ptrs, n: int, c: int,
   g_picked, g_entropy in that order."""
   _checked(library().rlk_logits_grad(stream, logits_ptr, *row_ptrs, n, c,
                                      temperature, out_ptr))
+
+
+ROW_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # the entry's codes
+
+
+def launch_row_reduce(stream: int, x_ptr: int, out_ptr: int, rows: int,
+                      k: int, row_stride: int, divisor: float,
+                      dtype: str) -> None:
+  """out[r] = sum(x[r, :k]) / divisor, float32 inside, one rounding to
+  `dtype` (x's and out's; a name in ROW_REDUCE_DTYPES), on raw pointers and
+  a stream (row_reduce_kernels.cu says why each row's bits are its own)."""
+  _checked(library().rlk_row_reduce(stream, x_ptr, out_ptr, rows, k,
+                                    row_stride, divisor,
+                                    ROW_REDUCE_DTYPES.index(dtype)))
+
+
+def row_reduce_entry() -> int:
+  """The address of the C entry (the torch bridge's C++ route calls it)."""
+  return ctypes.cast(library().rlk_row_reduce, ctypes.c_void_p).value

@@ -34,6 +34,8 @@ API_SOURCE = CSRC / "det_gemm_api.cc"
 PACK_SOURCES = (CSRC / "pack_rows_kernels.cu", CSRC / "pack_rows_api.cc")
 # linear_logp's row kernels (stats, finish, gradient) and their entries, one file.
 LOGP_SOURCE = CSRC / "linear_logp_kernels.cu"
+# The row sum/mean (an RMSNorm's reduction) and its C entry, one file.
+ROW_REDUCE_SOURCE = CSRC / "row_reduce_kernels.cu"
 LIBRARY_NAME = "librlk_cuda_ffi.so"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
@@ -230,6 +232,8 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
                    "-c", str(LOGP_SOURCE),
                    "-o", str(out_dir / "linear_logp_kernels.o")])
+  commands.append([nvcc, *NVCC_FLAGS, "-c", str(ROW_REDUCE_SOURCE),
+                   "-o", str(out_dir / "row_reduce_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
   for source in (API_SOURCE, pack_api):

@@ -23,6 +23,12 @@ CUDA tensors:
 The handlers are the torch-function mode's (``batch_invariant._Products``):
 the same det ops, so the same bits. A call they leave goes to the kernel
 registered before (``torch.library.get_kernel``).
+
+On an SM90 GPU with the C++ extension (``_cpp_autograd``), C++ kernels for
+``linear`` and ``mean.dim`` go on top of these (``csrc/aten_route.cpp``):
+calls that need no gradient run det_gemm's product with the config this
+route planned for the shape, and the row kernel, with no Python; the rest
+reach the Python kernels below them.
 """
 
 from __future__ import annotations
@@ -31,10 +37,23 @@ import warnings
 
 import torch
 
+from rlk_torch_bridge import _cpp_autograd
+
 _ENTRY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "mean.dim",
           "scaled_dot_product_attention")
 _BELOW_AUTOGRAD = ("mm", "addmm", "bmm", "baddbmm", "mean.dim")
 _KEYS = {"Autograd": _ENTRY, "": _BELOW_AUTOGRAD}
+
+
+def _cpp_route(products) -> bool:
+  """Whether the C++ kernels go on top: the mode's default implementation
+  (the one whose plans they replay) on a GPU where the row kernel is the
+  cuda_ffi library's (the one they launch; ``_row_mean_op``)."""
+  if (products.implementation is not None or not _cpp_autograd.enabled()
+      or not torch.cuda.is_available()):
+    return False
+  from rlk_torch_bridge import _row_mean_op
+  return _row_mean_op._library_kernel() and _cpp_autograd.load()
 
 
 def _handler_name(op: str) -> str:
@@ -51,6 +70,7 @@ class AtenRoute:
     self._not_ours = not_ours
     self._report = report
     self._library = None
+    self._cpp = False
 
   def _kernel(self, op, original):
     handler = getattr(self._products, _handler_name(op))
@@ -79,6 +99,10 @@ class AtenRoute:
               original = torch.library.get_kernel(f"aten::{op}", key)
               library.impl(op, self._kernel(op, original), key,
                            with_keyset=True)
+        cpp = _cpp_route(self._products)
+        if cpp:
+          torch.ops.rlk.cpp_route_enter()
+        self._cpp = cpp
     except BaseException:
       library._destroy()
       raise
@@ -86,5 +110,9 @@ class AtenRoute:
     return self
 
   def __exit__(self, *exc):
+    # The C++ kernels fall back to the Python ones: off first.
+    if self._cpp:
+      torch.ops.rlk.cpp_route_exit()
+      self._cpp = False
     self._library._destroy()
     self._library = None

@@ -27,7 +27,10 @@ import warnings
 import torch
 
 ENV = "RLK_TORCH_CPP_AUTOGRAD"
-SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "det_mm_sm90.cpp"
+# The products with their autograd, the row kernel, the decoding route's
+# aten kernels (``csrc/aten_route.cpp``, ``_aten_route``): one extension.
+SOURCES = [pathlib.Path(__file__).resolve().parent / "csrc" / name
+           for name in ("det_mm_sm90.cpp", "row_reduce.cpp", "aten_route.cpp")]
 
 
 _switch = [os.environ.get(ENV, "1") != "0"]
@@ -45,17 +48,19 @@ def set_enabled(on: bool) -> None:
 
 @functools.cache
 def load() -> bool:
-  """Builds (once) and loads the operator and hands it the cuda_ffi
-  library's entry. False, with one warning, where it cannot."""
+  """Builds (once) and loads the operators and hands them the cuda_ffi
+  library's entries. False, with one warning, where it cannot."""
   try:
     import cuda_ffi
     from torch.utils import cpp_extension
-    cpp_extension.load(name="rlk_det_mm_sm90", sources=[str(SOURCE)],
+    cpp_extension.load(name="rlk_det_mm_sm90",
+                       sources=[str(s) for s in SOURCES],
                        extra_cflags=["-O2"], with_cuda=True,
                        is_python_module=False)
     entry = ctypes.cast(cuda_ffi.library().rlk_det_gemm_sm90,
                         ctypes.c_void_p).value
     torch.ops.rlk.set_sm90_entry(entry)
+    torch.ops.rlk.set_row_reduce_entry(cuda_ffi.row_reduce_entry())
     torch.library.register_fake("rlk::det_mm_sm90")(_fake)
   except Exception as e:  # noqa: BLE001 - the Python route gives the same bits
     warnings.warn(f"rlk_torch_bridge: the C++ autograd route is unavailable "
@@ -120,5 +125,10 @@ def _plan(a, b, transpose_b, out_dtype, implementation):
     except RuntimeError:
       return None
     codes.append(cuda_ffi.CONFIGS[config])
+  if (implementation is None and transpose_b and out_dtype == a.dtype
+      and a.dtype in (torch.bfloat16, torch.float16)):
+    # A bias-free nn.Linear's product: the C++ decoding route takes it from
+    # now on with this config (csrc/aten_route.cpp).
+    torch.ops.rlk.remember_linear(m, n, k, a.dtype, a.device.index, codes[0])
   op = torch.ops.rlk.det_mm_sm90.default
   return lambda a, b: op(a, b, transpose_b, out_dtype, *codes)

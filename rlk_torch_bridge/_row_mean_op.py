@@ -3,13 +3,18 @@
 scale) over the last dimension of a bf16, f16 or f32 tensor, each row's
 bits its own whatever the batch.
 
-On CUDA the row kernel of ``triton_kernels.row_sum`` runs natively on
-torch's stream (a fixed summation order per row length; that module says
-why), one launch a call. Elsewhere, or without Triton, the row is a
+On a GPU where the cuda_ffi library runs (SM90) the row kernel is its
+``row_reduce_kernels.cu``, one launch on torch's stream: through the C++
+extension (``rlk::row_reduce_sm90``) where it loads, else through ctypes;
+the C++ decoding route (``csrc/aten_route.cpp``) calls the same kernel, so
+every route gives the same bits. On other GPUs the row kernel of
+``triton_kernels.row_sum``. Both fix a summation order per row length
+(their modules say why). Elsewhere, or without Triton, the row is a
 det_gemm product with a ones vector (``x @ ones[K, 1]``), row-invariant by
-det_gemm's contract. Either way the float32 sum is divided by K (the
-mean; by 1, exactly, for the sum) and rounded once to x's dtype, as
-torch's own mean does.
+det_gemm's contract. Each way the float32 sum is divided by K (the mean;
+by 1, exactly, for the sum) and rounded once to x's dtype, as torch's own
+mean does. (The two kernels need not give each other's bits: a process
+uses one of them on a given device.)
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import functools
 
 import torch
 
-from rlk_torch_bridge import _library
+from rlk_torch_bridge import _cpp_autograd, _library
 
 
 @functools.cache
@@ -27,11 +32,38 @@ def _triton_importable() -> bool:
   return triton is not None
 
 
+@functools.cache
+def _library_kernel() -> bool:
+  """Whether CUDA rows take the cuda_ffi library's kernel (an SM90 GPU with
+  the library; the same condition as det_gemm's SM90 route)."""
+  import cuda_ffi
+  return cuda_ffi.unavailable_reason("gpu") is None
+
+
 def _on_row_kernel(x: torch.Tensor) -> bool:
   return x.is_cuda and _triton_importable()
 
 
+def _through_ctypes(x, divisor: int):
+  import cuda_ffi
+  k = x.shape[-1]
+  rows = x.reshape(-1, k)
+  rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+  out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+  if rows.shape[0]:
+    with torch.cuda.device(x.device):
+      cuda_ffi.launch_row_reduce(
+          torch.cuda.current_stream().cuda_stream, rows.data_ptr(),
+          out.data_ptr(), rows.shape[0], k, rows.stride(0), float(divisor),
+          str(x.dtype).removeprefix("torch."))
+  return out.reshape(x.shape[:-1])
+
+
 def _reduce(x, divisor: int):
+  if x.is_cuda and _library_kernel():
+    if _cpp_autograd.enabled() and _cpp_autograd.load():
+      return torch.ops.rlk.row_reduce_sm90(x, float(divisor))
+    return _through_ctypes(x, divisor)
   k = x.shape[-1]
   rows = x.reshape(-1, k)
   if _on_row_kernel(x):

@@ -20,7 +20,8 @@ NO_NVCC = build.toolchain_reason(cutlass=False)
 
 
 @pytest.mark.skipif(NO_NVCC is not None, reason=f"no CUDA toolchain: {NO_NVCC}")
-def test_the_source_compiles_against_the_installed_torch(tmp_path):
+@pytest.mark.parametrize("source", _cpp_autograd.SOURCES, ids=lambda s: s.stem)
+def test_the_sources_compile_against_the_installed_torch(tmp_path, source):
   include = pathlib.Path(torch.__file__).parent / "include"
   # A CPU build of torch ships c10/cuda's headers without the one header its
   # CUDA build generates; an empty stand-in is enough to check the syntax.
@@ -31,7 +32,7 @@ def test_the_source_compiles_against_the_installed_torch(tmp_path):
       [build.find_nvcc(), "-x", "c++", "-std=c++20", "-Xcompiler",
        "-fsyntax-only", "-Xcompiler", "-Wall", "-I", str(include),
        "-I", str(include / "torch" / "csrc" / "api" / "include"),
-       "-I", str(tmp_path), "-c", str(_cpp_autograd.SOURCE), "-o",
+       "-I", str(tmp_path), "-c", str(source), "-o",
        str(tmp_path / "unused.o")], capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "warning" not in done.stderr, done.stderr[-3000:]

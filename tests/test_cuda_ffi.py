@@ -252,6 +252,6 @@ def test_every_source_is_part_of_the_build():
   assert sources == {"det_gemm_sm90.h", "device_info.h", "ffi_traits.h",
                      build.KERNEL_SOURCE.name,
                      build.API_SOURCE.name, "pack_rows.h",
-                     build.LOGP_SOURCE.name,
+                     build.LOGP_SOURCE.name, build.ROW_REDUCE_SOURCE.name,
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()

@@ -258,3 +258,78 @@ def test_cpp_autograd_route_gives_the_python_routes_bits(monkeypatch):
   g = torch.ones_like(out, requires_grad=True)
   with pytest.raises(RuntimeError, match="double backward"):
     torch.autograd.grad(out, x, grad_outputs=g, create_graph=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16,
+                                   torch.float16])
+@pytest.mark.parametrize("k", [1, 7, 256, 2048, 4099, 5120])
+def test_row_kernel_rows_alone_equal_their_batch_on_every_route(
+    monkeypatch, dtype, k):
+  # rlk::det_row_mean / det_row_sum on the cuda_ffi row kernel: through the
+  # C++ extension and through ctypes the same bits; each row's bits its own
+  # in any batch and any layout; the mean close to float64's.
+  from rlk_torch_bridge import _cpp_autograd, _row_mean_op
+  assert _row_mean_op._library_kernel() and _cpp_autograd.load()
+  x = (torch.randn(37, k, device="cuda") * 3 + 1).to(dtype)
+  for op, divisor in ((torch.ops.rlk.det_row_mean, k),
+                      (torch.ops.rlk.det_row_sum, 1)):
+    full = op(x)
+    assert full.shape == (37,) and full.dtype == dtype
+    assert same_bits(_row_mean_op._through_ctypes(x, divisor), full)
+    for rows in ((3, 4), (0, 37), (36, 37), (5, 22)):
+      assert same_bits(op(x[rows[0]:rows[1]]), full[rows[0]:rows[1]]), rows
+    # Rows as a strided view of a wider tensor, and in a 3-D batch.
+    wide = torch.cat([x, x[:, :1]], dim=1)[:, :k]
+    assert same_bits(op(wide), full)
+    assert same_bits(op(x.reshape(37, 1, k)), full.reshape(37, 1))
+    want = x.double().sum(-1) / divisor
+    assert relative_error(full, want) < (1e-6 if dtype == torch.float32
+                                         else 8e-3), op
+
+
+def test_cpp_route_takes_products_and_means_with_the_python_routes_bits(
+    monkeypatch):
+  # Under the aten route (what generate decodes on), a bias-free bf16
+  # nn.Linear product and a last-dim mean that need no gradient run from
+  # C++: after the Python route planned the product once, neither reaches
+  # a Python handler, and the bits are the Python route's.
+  from rlk_torch_bridge import batch_invariant as bi
+  seen = {"linear": 0, "mean": 0}
+  for name in seen:
+    real = getattr(bi._Products, name)
+
+    def counted(self, *args, _real=real, _name=name, **kwargs):
+      seen[_name] += 1
+      return _real(self, *args, **kwargs)
+    monkeypatch.setattr(bi._Products, name, counted)
+  mode = bi.BatchInvariantMode()
+  # 13 x 3 rows: a product no other test plans.
+  x, w, bias = bf16(13, 3, 2048), bf16(1536, 2048), bf16(1536)
+  h = torch.randn(8, 1, 2048, device="cuda")
+  with torch.no_grad():
+    with mode.aten_route():
+      first = torch.nn.functional.linear(x, w)
+      assert seen["linear"] == 1  # planned by the Python route
+      again = torch.nn.functional.linear(x, w)
+      mean = h.mean(-1, keepdim=True)
+      assert seen == {"linear": 1, "mean": 0}
+      with torch.inference_mode():
+        inference_mean = h.mean(-1)
+      with_bias = torch.nn.functional.linear(x, w, bias)
+      assert seen == {"linear": 2, "mean": 0}  # a bias: Python's
+    python_route = rtb.det_gemm(x, w, transpose_b=True)
+  assert same_bits(first, python_route) and same_bits(again, python_route)
+  assert same_bits(mean, torch.ops.rlk.det_row_mean(h).unsqueeze(-1))
+  assert same_bits(inference_mean, mean[..., 0])
+  assert relative_error(with_bias, x.float() @ w.float().T + bias.float()) < 1e-2
+  # A call that needs a gradient records one: the Python route's autograd.
+  with mode.aten_route():
+    out = torch.nn.functional.linear(x, w.clone().requires_grad_())
+    m = h.clone().requires_grad_().mean(-1)
+  assert out.grad_fn is not None and m.grad_fn is not None
+  assert seen == {"linear": 3, "mean": 1}
+  assert same_bits(out, python_route)
+  # Left and entered again (the C++ route refuses a second entry while on).
+  with torch.no_grad(), mode.aten_route():
+    assert same_bits(torch.nn.functional.linear(x, w), python_route)
+  assert seen == {"linear": 3, "mean": 1}

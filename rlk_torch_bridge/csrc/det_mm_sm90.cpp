@@ -25,6 +25,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "rlk_torch.h"
+
 namespace {
 
 using Entry = const char* (*)(int transpose_a, int transpose_b, int out_f32,
@@ -76,23 +78,12 @@ at::Tensor Product(const at::Tensor& a_in, const at::Tensor& b_in,
   return c;
 }
 
-// The forward: a [..., K] (rows flattened) @ op(b).
-at::Tensor Forward(const at::Tensor& a, const at::Tensor& b, bool transpose_b,
-                   at::ScalarType out_dtype, int64_t config) {
-  TORCH_CHECK(a.dim() >= 1, "rlk::det_mm_sm90: a needs a K dimension");
-  const at::Tensor rows = a.reshape({-1, a.size(-1)});
-  at::Tensor c = Product(rows, b, false, transpose_b, out_dtype, config);
-  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
-  shape.push_back(c.size(1));
-  return c.view(shape);
-}
-
 at::Tensor DetMmKernel(const at::Tensor& a, const at::Tensor& b,
                        bool transpose_b, at::ScalarType out_dtype,
                        int64_t config, int64_t config_da, int64_t config_db) {
   (void)config_da;
   (void)config_db;
-  return Forward(a, b, transpose_b, out_dtype, config);
+  return rlk_torch::DetMmForward(a, b, transpose_b, out_dtype, config);
 }
 
 class DetMmSm90 : public torch::autograd::Function<DetMmSm90> {
@@ -107,7 +98,7 @@ class DetMmSm90 : public torch::autograd::Function<DetMmSm90> {
     ctx->saved_data["config_da"] = config_da;
     ctx->saved_data["config_db"] = config_db;
     const at::AutoDispatchBelowADInplaceOrView below;
-    return Forward(a, b, transpose_b, out_dtype, config);
+    return rlk_torch::DetMmForward(a, b, transpose_b, out_dtype, config);
   }
 
   static torch::autograd::variable_list backward(
@@ -152,6 +143,22 @@ at::Tensor DetMmAutograd(const at::Tensor& a, const at::Tensor& b,
 }
 
 }  // namespace
+
+namespace rlk_torch {
+
+// The forward: a [..., K] (rows flattened) @ op(b).
+at::Tensor DetMmForward(const at::Tensor& a, const at::Tensor& b,
+                        bool transpose_b, at::ScalarType out_dtype,
+                        int64_t config) {
+  TORCH_CHECK(a.dim() >= 1, "rlk::det_mm_sm90: a needs a K dimension");
+  const at::Tensor rows = a.reshape({-1, a.size(-1)});
+  at::Tensor c = Product(rows, b, false, transpose_b, out_dtype, config);
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
+  shape.push_back(c.size(1));
+  return c.view(shape);
+}
+
+}  // namespace rlk_torch
 
 TORCH_LIBRARY_FRAGMENT(rlk, m) {
   m.def("det_mm_sm90(Tensor a, Tensor b, bool transpose_b, "
