@@ -66,9 +66,18 @@ def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _statics(group, head_dim, scale, softcap, window):
+def _settings(b, n, hq, hkv, d, s_cache, scale, softcap, window):
+  """(heads per program, key chunks, config, statics) of a step's shapes
+  and attention settings: every layer of a forward asks the same."""
   from triton_kernels import attention as kernels
-  return kernels.Statics(group, head_dim, scale, softcap, window)
+  hpt, chunks = _attention.decode_plan("kv cache", (b, n, hq, d),
+                                       (b, s_cache, hkv, d), hq // hkv)
+  statics = kernels.Statics(hq // hkv, d,
+                            float(1.0 / math.sqrt(d) if scale is None
+                                  else scale),
+                            None if softcap is None else float(softcap),
+                            None if window is None else int(window))
+  return hpt, chunks, kernels.config_for(d), statics
 
 
 def run(query, key, value, seqs, scale=None, softcap=None, window=None,
@@ -78,18 +87,15 @@ def run(query, key, value, seqs, scale=None, softcap=None, window=None,
   and ``decode_plan`` (the interpreter's tests pass theirs)."""
   from triton_kernels import attention as kernels
   b, hq, n, d = query.shape
-  hkv, s_cache = key.shape[1], key.shape[2]
+  hpt, chunks, default_config, statics = _settings(
+      b, n, hq, key.shape[1], d, key.shape[2], scale, softcap, window)
+  if plan is not None:
+    hpt, chunks = plan
+  config = config or default_config
   # n = 1: [B, Hq, D] is a view (token stride = the batch stride).
   q = query[:, :, 0] if n == 1 else query.transpose(1, 2).reshape(b * n, hq, d)
-  hpt, chunks = plan or _attention.decode_plan(
-      "kv cache", (b, n, hq, d), (b, s_cache, hkv, d), hq // hkv)
-  config = config or kernels.config_for(d)
   tiles = _attention_op.decode_tiles(query.device, b, n,
                                      config.tile_rows(True) // hpt)
-  statics = _statics(hq // hkv, d,
-                     float(1.0 / math.sqrt(d) if scale is None else scale),
-                     None if softcap is None else float(softcap),
-                     None if window is None else int(window))
   out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
   lse = torch.empty((b * n, hq), dtype=torch.float32, device=query.device)
   ks, vs = key.stride(), value.stride()

@@ -52,6 +52,7 @@ how the CPU tests check the kernels).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from triton_kernels.backend import (Launcher, interpreted, jax_triton,
@@ -591,6 +592,14 @@ def _fwd_meta(statics, config, heads_per_tile, interpreted_, split):
               FOLD=config.fold_keys, INTERPRETED=interpreted_)
 
 
+@functools.lru_cache(maxsize=256)
+def _fwd_launch(statics, config, heads_per_tile, interpreted_, split):
+  """(constexprs, the Launcher's key) of a torch forward launch: a decode
+  step asks once per layer with the same settings."""
+  meta = _fwd_meta(statics, config, heads_per_tile, interpreted_, split)
+  return meta, (tuple(meta.values()), config.warps(split), config.num_stages)
+
+
 def forward_jax(q, k, v, seqs, tiles, statics: Statics,
                 config: AttentionConfig, heads_per_tile: int,
                 split_chunks: int = 0):
@@ -645,8 +654,8 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
   split = bool(split_chunks)
-  meta = _fwd_meta(statics, config, heads_per_tile, interpreted(), split)
-  key = (tuple(meta.values()), config.warps(split), config.num_stages)
+  meta, key = _fwd_launch(statics, config, heads_per_tile, interpreted(),
+                          split)
   kv = kv_strides or ((k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)))
   strides = (q.stride(0), q.stride(1), *kv[0], *kv[1])
   if not split_chunks:
@@ -663,8 +672,8 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
   _launch_split(grid + (split_chunks,), key, q, k, v, seqs, tiles, work, ml,
                 seqs.shape[1], tq, *strides, num_warps=config.warps(True),
                 num_stages=config.num_stages, **meta)
-  _launch_combine((triton.cdiv(tq * hq, _COMBINE_BLOCK),
-                   d // _COMBINE_BLOCK_D), (d,), work, ml, out, lse,
+  # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
+  _launch_combine((-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D), (d,), work, ml, out, lse,
                   tq * hq, split_chunks, HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
                   BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
   return out, lse
