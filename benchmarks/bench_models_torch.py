@@ -7,8 +7,10 @@ logits in a batch of 8 against alone).
     python -m benchmarks.bench_models_torch [--smoke]
 
 The model is ``LlamaForCausalLM`` built from a config (random weights,
-nothing downloaded): the on-policy issue's 8 layers, hidden 2048, 16 q / 4
-kv heads, vocab 32000, bf16, SDPA. Competitors (stable names): ``torch``,
+nothing downloaded), bf16, SDPA: the on-policy issue's 8 layers, hidden
+2048, 16 q / 4 kv heads, vocab 32000, or with
+``--models_torch_model=llama-3.2-1b`` Llama-3.2-1B's shapes (16 layers,
+32 q / 8 kv heads of 64, MLP 8192, vocab 128256, tied embeddings). Competitors (stable names): ``torch``,
 ``rlk_mode``, ``tml`` (only where ``batch_invariant_ops`` imports: carry
 its source on ``PYTHONPATH``). Each timed call enters its mode itself.
 """
@@ -17,12 +19,26 @@ from __future__ import annotations
 
 import contextlib
 
-from absl import app
+from absl import app, flags
 
 from benchmarks import harness
 from benchmarks.harness import Row
 
 BENCH = "models_torch"
+
+# The issue's 8-layer Llama, or a real-size one (Llama-3.2-1B's shapes).
+MODELS = {
+    "llama-8l": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=4),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, tie_word_embeddings=True),
+}
+MODEL = flags.DEFINE_enum("models_torch_model", "llama-8l", list(MODELS),
+                          "Which LlamaForCausalLM config to build.")
+COMPILED = flags.DEFINE_bool("models_torch_compiled", True,
+                             "Also time and check the compiled model.")
 
 
 def _config(smoke: bool) -> dict:
@@ -33,11 +49,9 @@ def _config(smoke: bool) -> dict:
                            head_dim=64),
                 train=(2, 32), forward=(2, 32), generate=(2, 8, 3),
                 invariance=32, iters=1, compiled=False)
-  return dict(model=dict(vocab_size=32000, hidden_size=2048,
-                         num_hidden_layers=8, num_attention_heads=16,
-                         num_key_value_heads=4),
+  return dict(model=MODELS[MODEL.value],
               train=(8, 1024), forward=(32, 512), generate=(8, 128, 32),
-              invariance=256, iters=3, compiled=True)
+              invariance=256, iters=3, compiled=COMPILED.value)
 
 
 def _modes(torch) -> dict:
