@@ -3,6 +3,9 @@
 autograd thread, where the Python ``autograd.Function`` route pays a Python
 autograd node (about 0.1 ms of host time per forward + backward on the
 H100's host; ``docs/torch_bridge.md``). The same kernels, so the same bits.
+The same extension holds the row kernel's operator (``csrc/row_reduce.cpp``)
+and the C++ kernels of the decoding route (``csrc/aten_route.cpp``,
+``_aten_route``), which replay the forward configs planned here.
 
 Built on first use by torch's ``cpp_extension`` against the installed torch
 (about a minute, ninja needed, then cached by torch under
