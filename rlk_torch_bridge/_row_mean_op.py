@@ -44,19 +44,30 @@ def _on_row_kernel(x: torch.Tensor) -> bool:
   return x.is_cuda and _triton_importable()
 
 
-def _through_ctypes(x, divisor: int):
-  import cuda_ffi
-  k = x.shape[-1]
-  rows = x.reshape(-1, k)
+def _on_rows(x, divisor: int, launch):
+  """A row kernel (``launch(rows, out, divisor)``) over x's rows: out in
+  x's dtype, shape x.shape[:-1]."""
+  rows = x.reshape(-1, x.shape[-1])
   rows = rows if rows.stride(-1) == 1 else rows.contiguous()
   out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
   if rows.shape[0]:
-    with torch.cuda.device(x.device):
-      cuda_ffi.launch_row_reduce(
-          torch.cuda.current_stream().cuda_stream, rows.data_ptr(),
-          out.data_ptr(), rows.shape[0], k, rows.stride(0), float(divisor),
-          str(x.dtype).removeprefix("torch."))
+    launch(rows, out, divisor)
   return out.reshape(x.shape[:-1])
+
+
+def _library_launch(rows, out, divisor):
+  import cuda_ffi
+  with torch.cuda.device(rows.device):
+    cuda_ffi.launch_row_reduce(
+        torch.cuda.current_stream().cuda_stream, rows.data_ptr(),
+        out.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
+        float(divisor), str(rows.dtype).removeprefix("torch."))
+
+
+def _through_ctypes(x, divisor: int):
+  """The cuda_ffi row kernel through ctypes (where the C++ extension does
+  not load)."""
+  return _on_rows(x, divisor, _library_launch)
 
 
 def _reduce(x, divisor: int):
@@ -64,18 +75,13 @@ def _reduce(x, divisor: int):
     if _cpp_autograd.enabled() and _cpp_autograd.load():
       return torch.ops.rlk.row_reduce_sm90(x, float(divisor))
     return _through_ctypes(x, divisor)
-  k = x.shape[-1]
-  rows = x.reshape(-1, k)
   if _on_row_kernel(x):
     from triton_kernels.row_sum import row_mean_torch
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-      row_mean_torch(rows, out, divisor)
-    return out.reshape(x.shape[:-1])
+    return _on_rows(x, divisor, row_mean_torch)
   from rlk_torch_bridge.functions import det_gemm
+  k = x.shape[-1]
   ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
-  total = det_gemm(rows, ones, out_dtype=torch.float32)[:, 0]
+  total = det_gemm(x.reshape(-1, k), ones, out_dtype=torch.float32)[:, 0]
   return (total / divisor).to(x.dtype).reshape(x.shape[:-1])
 
 

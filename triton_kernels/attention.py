@@ -673,9 +673,10 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
                 seqs.shape[1], tq, *strides, num_warps=config.warps(True),
                 num_stages=config.num_stages, **meta)
   # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
-  _launch_combine((-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D), (d,), work, ml, out, lse,
-                  tq * hq, split_chunks, HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
-                  BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
+  _launch_combine((-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D),
+                  (d,), work, ml, out, lse, tq * hq, split_chunks,
+                  HEAD_DIM=d, BLOCK=_COMBINE_BLOCK, BLOCK_D=_COMBINE_BLOCK_D,
+                  num_warps=4)
   return out, lse
 
 

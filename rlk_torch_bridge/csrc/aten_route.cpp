@@ -144,16 +144,12 @@ void MeanOn(torch::jit::Stack* stack) {
   torch::jit::push(*stack, keepdim ? out.unsqueeze(-1) : out);
 }
 
-void MeanAutograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                  torch::jit::Stack* stack) {
+// One kernel per dispatch key, each falling back to what was there before.
+template <std::optional<c10::SafeKernelFunction>* previous>
+void Mean(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+          torch::jit::Stack* stack) {
   if (MeanTakes(*stack)) return MeanOn(stack);
-  previous_mean_autograd->callBoxed(op, keys, stack);
-}
-
-void MeanCuda(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-              torch::jit::Stack* stack) {
-  if (MeanTakes(*stack)) return MeanOn(stack);
-  previous_mean_cuda->callBoxed(op, keys, stack);
+  (*previous)->callBoxed(op, keys, stack);
 }
 
 c10::SafeKernelFunction KernelBefore(const char* name, const char* overload,
@@ -186,12 +182,14 @@ void Enter() {
     at_autograd->impl("linear",
                       torch::CppFunction::makeFromBoxedFunction<&Linear>());
     at_autograd->impl(
-        "mean.dim", torch::CppFunction::makeFromBoxedFunction<&MeanAutograd>());
+        "mean.dim", torch::CppFunction::makeFromBoxedFunction<
+                    &Mean<&previous_mean_autograd>>());
     at_cuda = std::make_unique<torch::Library>(
         torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__,
         __LINE__);
     at_cuda->impl("mean.dim",
-                  torch::CppFunction::makeFromBoxedFunction<&MeanCuda>());
+                  torch::CppFunction::makeFromBoxedFunction<
+                    &Mean<&previous_mean_cuda>>());
   } catch (...) {
     Exit();
     throw;
