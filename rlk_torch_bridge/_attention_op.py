@@ -2,6 +2,13 @@
 det_attention on flattened rows (``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``,
 ``seqs`` int32 ``[4, B]``) as PyTorch operators.
 
+k and v may also be ``[B, S, Hkv, D]`` views read in place (the Triton
+kernels on CUDA only): a ``[B, Hkv, S, D]`` cache transposed, as
+transformers hands its keys over, would otherwise be copied into rows each
+layer. Their row ``b * stride(0) / stride(1) + t`` is token t of batch row
+b, and ``seqs`` counts key rows so (``triton_kernels.attention.row_strides``);
+sequence b is batch row b.
+
 On a CUDA tensor with the ``triton`` implementation the @triton.jit kernels
 launch natively on torch's stream (capturable in CUDA graphs); every other
 implementation runs rlk_jax's own functions through one jitted JAX call
@@ -31,7 +38,7 @@ BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
 
 def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0):
   hq, d = q.shape[1:]
-  return _attention.Settings(hq // k.shape[1], d, scale, softcap, window,
+  return _attention.Settings(hq // k.shape[-2], d, scale, softcap, window,
                              heads_per_tile, split_chunks)
 
 
@@ -111,6 +118,33 @@ def _jax_backward(impl, settings_, q, k, v, seqs, out, lse, g):
       q, k, v, seqs, settings_, out, lse, g)
 
 
+def in_place(k) -> bool:
+  """Whether k (or v) is the ``[B, S, Hkv, D]`` form read in place."""
+  return k.ndim == 4
+
+
+def _refuse_in_place(impl, k):
+  if in_place(k):
+    raise ValueError(
+        "rlk::det_attention: k and v of shape [B, S, Hkv, D] = "
+        f"{tuple(k.shape)} are read in place by the Triton kernels on CUDA "
+        f"only, not by implementation {impl!r} on {k.device.type}; pass "
+        "[Tk, Hkv, D] rows")
+
+
+def _key_rows_covered(seqs, k):
+  """Which of k's rows (its [B, S] tokens when read in place) lie in a
+  sequence: bool, broadcastable to k."""
+  if not in_place(k):
+    return _covered(seqs[2], seqs[3], k.shape[0])[:, None, None]
+  b, s = k.shape[:2]
+  first = seqs[2] - torch.arange(b, dtype=torch.int32, device=k.device) * (
+      k.stride(0) // k.stride(1))
+  t = torch.arange(s, device=k.device)[None]
+  return ((t >= first[:, None]) & (t < (first + seqs[3])[:, None]))[
+      :, :, None, None]
+
+
 def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
                     split_chunks, implementation):
   impl = choose(implementation, platform_of(q))
@@ -131,6 +165,7 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
                           _attention._statics(s), config, heads_per_tile,
                           split_chunks)
     return out, lse
+  _refuse_in_place(impl, k)
   _library.refuse_capture("det_attention", impl, q.device)
   out, lse = _jax_forward(impl, s, *to_jax_all(q, k, v, seqs,
                                                one_computation=True))
@@ -152,16 +187,20 @@ def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
     q_tiles = _tile_map(seqs[1], config.bwd_block_m, kernels.tile_bound(
         q.shape[0], seqs.shape[1], config.bwd_block_m))
     k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
-        k.shape[0], seqs.shape[1], config.bwd_block_n))
+        k.numel() // k.shape[-1] // k.shape[-2], seqs.shape[1],
+        config.bwd_block_n))
+    # dk and dv number their rows as k and v do (seqs counts them so).
+    like = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                         device=x.device)
     dq, dk, dv = kernels.backward_torch(
         q, k, v, out, lse, g, seqs, q_tiles, k_tiles, torch.empty_like(q),
-        torch.empty_like(k), torch.empty_like(v), _attention._statics(s),
-        config)
+        like(k), like(v), _attention._statics(s), config)
     # Rows outside every sequence are left unwritten by the kernels.
     q_in = _covered(seqs[0], seqs[1], q.shape[0])[:, None, None]
-    k_in = _covered(seqs[2], seqs[3], k.shape[0])[:, None, None]
+    k_in = _key_rows_covered(seqs, k)
     return (dq.masked_fill_(~q_in, 0), dk.masked_fill_(~k_in, 0),
             dv.masked_fill_(~k_in, 0))
+  _refuse_in_place(implementation, k)
   _library.refuse_capture("det_attention", implementation, q.device)
   grads = _jax_backward(implementation, s, *to_jax_all(
       q, k, v, seqs, out, lse, g, one_computation=True))

@@ -4,13 +4,13 @@ transformers model decodes under ``batch_invariant_mode``).
 
 Why a second entry: a decode step's attention is a few µs of GPU work, so
 an eager rollout waits on the host. The general path
-(``attention.det_attention``) checks its operands, copies the cache from
-``[B, Hkv, S, D]`` into ``[B, S, Hkv, D]`` rows, builds the sequence table
-and goes through the operator: about ten times SDPA's host time. Here the
-kernels read the cache where it lies (token stride = the cache's slot
-stride, head stride = its head stride, sequence b's first row ``b *
-batch_stride / slot_stride``), the caller builds the sequence table once per
-forward (every layer shares it) and the kernels launch through
+(``attention.det_attention``) checks its operands, builds the sequence
+table and goes through the operator: about ten times SDPA's host time.
+Here the kernels read the cache where it lies (the kernels' in-place form,
+as the general path's: token stride = the cache's slot stride, head stride
+= its head stride, sequence b's first row ``b * batch_stride /
+slot_stride``), the caller builds the sequence table once per forward
+(every layer shares it) and the kernels launch through
 ``triton_kernels.backend.Launcher``.
 
 Bits: the same kernels with the same tiles, heads per program and key
@@ -98,8 +98,8 @@ def run(query, key, value, seqs, scale=None, softcap=None, window=None,
                                      config.tile_rows(True) // hpt)
   out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
   lse = torch.empty((b * n, hq), dtype=torch.float32, device=query.device)
-  ks, vs = key.stride(), value.stride()
-  kernels.forward_torch(q, key, value, seqs, tiles, out, lse, statics, config,
-                        hpt, chunks, kv_strides=((ks[2], ks[1]),
-                                                 (vs[2], vs[1])))
+  # [B, S, Hkv, D] views: the kernels' in-place form (row b * stride(0) /
+  # stride(1) + t), which `sequence_table` counts in.
+  kernels.forward_torch(q, key.transpose(1, 2), value.transpose(1, 2), seqs,
+                        tiles, out, lse, statics, config, hpt, chunks)
   return out.view(b, n, hq, d)

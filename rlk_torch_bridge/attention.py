@@ -21,9 +21,10 @@ def _ints(t, what, device):
   return t.to(torch.int32)
 
 
-def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
-  """rlk_jax.det_attention's per-sequence description, in torch; and the
-  padded rows that break contiguity (None if none can)."""
+def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
+  """rlk_jax.det_attention's per-sequence description, in torch (batch row
+  b's keys from key row ``b * k_rows``); and the padded rows that break
+  contiguity (None if none can)."""
   dev = q.device
   if layout == "packed":
     t = q.shape[0]
@@ -40,7 +41,7 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
   if layout == "padded":
     if mask is None:
       full = torch.full((b,), s, dtype=torch.int32, device=dev)
-      return torch.stack([base * s, full, base * s, full]), None
+      return torch.stack([base * s, full, base * k_rows, full]), None
     if tuple(mask.shape) != (b, s) or mask.dtype != torch.bool:
       raise ValueError(f"det_attention: mask must be bool [B, S] = [{b}, {s}],"
                        f" got {mask.dtype} {tuple(mask.shape)}")
@@ -55,12 +56,12 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
       raise ValueError(
           "det_attention: a padded batch's mask must mark one contiguous run "
           f"of tokens per row (left or right padding); rows {bad} have gaps")
-    start = base * s + first
-    return torch.stack([start, length, start, length]), contiguous
+    return torch.stack([base * s + first, length, base * k_rows + first,
+                        length]), contiguous
   n, s_cache = q.shape[1], k.shape[1]
   kv_lens = _ints(kv_lens, "kv_lens", dev)
   q_start, q_len, k_base = _attention_op.static_rows(
-      dev, (("arange", b, n), ("full", b, n), ("arange", b, s_cache)))
+      dev, (("arange", b, n), ("full", b, n), ("arange", b, k_rows)))
   if kv_start is None:  # a decode step: two small kernels, not a dozen
     if tuple(kv_lens.shape) != (b,):
       raise ValueError(f"det_attention: kv_lens must be [B] = [{b}], got "
@@ -86,6 +87,21 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start):
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
+def _readable_in_place(k, v, implementation) -> bool:
+  """Whether the kernels can read [B, S, Hkv, D] keys and values where
+  they lie (``_attention_op``'s in-place form): a transposed [B, Hkv, S, D]
+  cache, such as transformers hands over, is then not copied into rows.
+  Eager CUDA calls on the Triton kernels; traced calls keep the rows
+  (Inductor lays out what it produces itself)."""
+  if (not k.is_cuda or torch.compiler.is_compiling()
+      or _attention_op.choose(implementation, "gpu") != "triton"):
+    return False
+  ks, vs = k.stride(), v.stride()
+  return (ks[-1] == 1 and vs[-1] == 1 and ks[1] > 0 and vs[1] > 0
+          and ks[0] % ks[1] == 0 and vs[0] % vs[1] == 0
+          and ks[0] // ks[1] == vs[0] // vs[1])
+
+
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   cu_seqlens=None, info=None, mask=None, kv_lens=None,
                   kv_start=None, scale: float | None = None,
@@ -107,12 +123,17 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v)), layout,
       causal=causal, sliding_window=sliding_window, softcap=softcap)
   hq, d = q.shape[-2:]
-  seqs, contiguous = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start)
+  flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
+  in_place = layout != "packed" and _readable_in_place(k, v, implementation)
+  seqs, contiguous = _seqs(
+      layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
+      k.stride(0) // k.stride(1) if in_place else k.shape[1])
   heads_per_tile, split_chunks = _attention.decode_plan(
       layout, q.shape, k.shape, hq // k.shape[-2])
-  flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
+  if not in_place:
+    k, v = flat(k), flat(v)
   out, lse = _library.call(
-      _attention_op.FORWARD, flat(q), flat(k), flat(v), seqs.contiguous(),
+      _attention_op.FORWARD, flat(q), k, v, seqs.contiguous(),
       float(1.0 / math.sqrt(d) if scale is None else scale),
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),

@@ -167,6 +167,40 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
     assert np.array_equal(_f32(lse[:, 0]), _f32(full_lse[positions]))
 
 
+def test_torch_reads_transposed_caches_with_the_same_bits(rng):
+  """Keys and values as transformers hands them over, [B, Hkv, S, D]
+  transposed (on a GPU the Triton kernels read them in place), against the
+  same tokens in [B, S, H, D] rows: the same output and gradients, a
+  padded batch and a KV-cache step with spare slots."""
+  hq, hkv, d = HEADS
+  t = TorchRoute()
+  seqs = sequences(rng, [9, 24, 17], hq, hkv, d)
+  q, k, v, mask = padded_batch(seqs, 24, left=True)
+  g = t.array(rng.standard_normal(q.shape))
+  rows = [t.array(x).requires_grad_() for x in (q, k, v)]
+  # The cache layout: a [B, Hkv, S, D] leaf, given as its transpose.
+  heads_first = [t.array(x.transpose(0, 2, 1, 3)).requires_grad_()
+                 for x in (k, v)]
+  want = t.attend(*rows, mask=mask)
+  got = t.attend(rows[0], *(x.transpose(1, 2) for x in heads_first),
+                 mask=mask)
+  assert _same(got, want)
+  want.backward(g)
+  got.backward(g)
+  for a, b in zip(heads_first, rows[1:]):
+    assert _same(a.grad.transpose(1, 2), b.grad)
+  # A step of 2 new rows against a cache of 40 slots, sequences at
+  # different offsets in it.
+  slots, n = 40, 2
+  cache = [rng.standard_normal((3, slots, hkv, d)) for _ in range(2)]
+  qn = t.array(rng.standard_normal((3, n, hq, d)))
+  kw = dict(kv_lens=t.ints([30, 2, 17]), kv_start=t.ints([3, 38, 0]))
+  want = t.attend(qn, *(t.array(x) for x in cache), **kw)
+  got = t.attend(qn, *(t.array(x.transpose(0, 2, 1, 3)).transpose(1, 2)
+                       for x in cache), **kw)
+  assert _same(got, want)
+
+
 def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
   hq, hkv, d = HEADS
   lengths = [21, 1, 33] if not ON_GPU else [21, 1, 100, 67]

@@ -58,8 +58,9 @@ def backward(q, k, v, seqs, g, statics):
                                     kernels.tile_bound(q.shape[0], seqs.shape[1],
                                                        CONFIG.bwd_block_m))
   k_tiles = _attention_op._tile_map(seqs[3], CONFIG.bwd_block_n,
-                                    kernels.tile_bound(k.shape[0], seqs.shape[1],
-                                                       CONFIG.bwd_block_n))
+                                    kernels.tile_bound(
+                                        k.numel() // k.shape[-1] // HKV,
+                                        seqs.shape[1], CONFIG.bwd_block_n))
   nan = lambda x: torch.full_like(x, float("nan"))
   return kernels.backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
                                 nan(q), nan(k), nan(v), statics, CONFIG)
@@ -140,3 +141,28 @@ def test_cache_step_reads_sdpa_cache_in_place_with_the_same_bits(
                    rows(value).contiguous(), flat, statics, hpt, chunks)
   np.testing.assert_array_equal(bits(step.reshape(-1, HQ, D)), bits(out))
   assert not torch.isnan(step).any()
+
+
+def test_in_place_rows_of_a_transposed_cache_give_the_rows_bits(rng):
+  # Keys and values [B, Hkv, S, D] read in place through their [B, S, Hkv,
+  # D] transpose (row b * stride(0) / stride(1) + t), forward and backward,
+  # against the same tokens copied into rows: the same bits, and dk, dv
+  # written where k and v lie.
+  b, s = 2, 21
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, None)
+  q, g = (_t(rng.standard_normal((b * s, HQ, D))) for _ in range(2))
+  k, v = (_t(rng.standard_normal((b, HKV, s, D))) for _ in range(2))
+  lengths = [(0, s), (4, s - 4)]  # (first token, length): one left-padded
+  rows = lambda x: x.transpose(1, 2).reshape(b * s, HKV, D).contiguous()
+  flat = _seqs([(i * s + f, n, i * s + f, n) for i, (f, n) in
+                enumerate(lengths)])
+  in_place = _seqs([(i * s + f, n, i * HKV * s + f, n) for i, (f, n) in
+                    enumerate(lengths)])
+  want = backward(q, rows(k), rows(v), flat, g, statics)
+  got = backward(q, k.transpose(1, 2), v.transpose(1, 2), in_place, g,
+                 statics)
+  assert np.array_equal(bits(got[0]), bits(want[0]))
+  for i, (f, n) in enumerate(lengths):
+    for a, w in zip(got[1:], want[1:]):
+      assert np.array_equal(bits(a[i, f:f + n]),
+                            bits(w[i * s + f:i * s + f + n]))

@@ -642,22 +642,31 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
       BLOCK_D=_COMBINE_BLOCK_D)
 
 
+def row_strides(*tensors):
+  """(token stride, head stride) of each torch tensor the kernels read as
+  rows: ``[T, H, D]``, or ``[B, S, H, D]`` read in place, whose row ``b *
+  stride(0) / stride(1) + t`` is token t of batch row b (a ``[B, H, S, D]``
+  cache transposed: token stride D, head stride S D). D is contiguous."""
+  out = []
+  for t in tensors:
+    out += [t.stride(-3), t.stride(-2)]
+  return out
+
+
 def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
                   config: AttentionConfig, heads_per_tile: int,
-                  split_chunks: int = 0, kv_strides=None):
+                  split_chunks: int = 0):
   """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors);
   `split_chunks` as in forward_jax. q is [Tq, Hq, D] with any token and
-  head strides; so are k and v [Tk, Hkv, D], or `kv_strides` gives their
-  ((token, head), (token, head)) strides (a [B, Hkv, S, D] cache read in
-  place: token stride D, head stride S D). D is contiguous everywhere."""
+  head strides; k and v are [Tk, Hkv, D] the same way or [B, S, Hkv, D]
+  read in place (`row_strides`; `seqs` counts their rows so)."""
   import torch
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
   split = bool(split_chunks)
   meta, key = _fwd_launch(statics, config, heads_per_tile, interpreted(),
                           split)
-  kv = kv_strides or ((k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)))
-  strides = (q.stride(0), q.stride(1), *kv[0], *kv[1])
+  strides = row_strides(q, k, v)
   if not split_chunks:
     _launch_fwd(grid, key, q, k, v, seqs, tiles, out, lse, seqs.shape[1],
                 *strides, *_strides(out), hq, num_warps=config.num_warps,
@@ -728,23 +737,25 @@ def backward_jax(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
 
 def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
                    statics: Statics, config: AttentionConfig):
-  """Writes dq, dk, dv (contiguous torch tensors) and returns them."""
+  """Writes dq, dk, dv and returns them. out and g are contiguous [Tq, Hq,
+  D]; q, k, v, dq, dk, dv are rows as `forward_torch` reads them (dk and dv
+  with k's and v's row numbering: `seqs` counts both)."""
   import torch
   tq, hq, d = q.shape
-  hkv = k.shape[1]
+  hkv = k.shape[-2]
   delta = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
   _bwd_delta_kernel[(triton.cdiv(tq * hq, _DELTA_BLOCK),)](
       out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
       BLOCK=_DELTA_BLOCK, num_warps=4)
-  strides = _strides(q, k, v, g)
+  strides = row_strides(q, k, v, g)
   meta = dict(INTERPRETED=interpreted(), **_bwd_meta(statics, config))
   _bwd_dkdv_kernel[(k_tiles.shape[1], hkv)](
       q, k, v, g, lse, delta, seqs, k_tiles, dk, dv, seqs.shape[1], *strides,
-      hq, *_strides(dk, dv), num_warps=config.bwd_num_warps, num_stages=1,
+      hq, *row_strides(dk, dv), num_warps=config.bwd_num_warps, num_stages=1,
       **meta)
   _bwd_dq_kernel[(q_tiles.shape[1], hq)](
       q, k, v, g, lse, delta, seqs, q_tiles, dq, seqs.shape[1], *strides, hq,
-      *_strides(dq), num_warps=config.bwd_num_warps, num_stages=1, **meta)
+      *row_strides(dq), num_warps=config.bwd_num_warps, num_stages=1, **meta)
   return dq, dk, dv
 
 
