@@ -329,6 +329,47 @@ def tuned_entry(m: int, n: int, k: int, *, transpose_a: bool,
   return _disk_cache(device or _device_name(), cuda_ffi.build_id()).entry(key)
 
 
+# Configs that won large products (M = 16384) timed back to back, as a
+# model's forward runs them (H200, 2026-11-27; benchmarks/results/
+# nvidia-h200-2026-11-27/attention_in_place_gemm_in_situ-*/): what an
+# untuned product's calls try besides the table's or the rule's choice.
+LARGE_M_TRIALS = ("pingpong_128x128_cluster_1x2",
+                  "pingpong_192x128_cluster_2x1",
+                  "split_256x192_128x256", "cooperative_256x192",
+                  "swap_cooperative_256x192_cluster_1x2")
+
+
+def trial_configs(m: int, n: int, k: int, *, transpose_a: bool,
+                  transpose_b: bool, out_f32: bool, chosen: str,
+                  limit: int = 6, device: str | None = None) -> list[str]:
+  """The configs worth timing in a caller's own calls of this product,
+  `chosen` first: the tuner's fastest three by each of its two timings
+  (its finalists on a heated card, its screen), or, for a product it did
+  not measure, :data:`LARGE_M_TRIALS`. Just `chosen` once such a trial has
+  been kept (an ``in_situ_ms`` entry) or where nothing else is known.
+
+  Why: the tuner times a config alone; inside a model's forward the same
+  kernels ran up to 10% apart from that ranking (H200, 2026-11-27), and
+  every config gives the same bits, so a caller may time its own calls."""
+  import cuda_ffi
+  entry = tuned_entry(m, n, k, transpose_a=transpose_a,
+                      transpose_b=transpose_b, out_f32=out_f32,
+                      device=device) or {}
+  if "in_situ_ms" in entry:
+    return [chosen]
+  ranked = []
+  for times in (entry.get("sustained_ms"), entry.get("ms")):
+    if times:
+      ranked += sorted(times, key=times.get)[:3]
+  if not entry.get("ms"):
+    ranked += list(LARGE_M_TRIALS)
+  out = [chosen]
+  for c in ranked:
+    if c not in out and c in cuda_ffi.CONFIGS and len(out) < limit:
+      out.append(c)
+  return out
+
+
 def keep_choice(m: int, n: int, k: int, *, transpose_a: bool,
                 transpose_b: bool, out_f32: bool, config: str,
                 device: str | None = None,

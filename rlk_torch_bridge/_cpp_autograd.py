@@ -94,7 +94,8 @@ def product(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
     return None  # configs are chosen by measurement, outside a capture
   if len(_PLANS) > 4096:
     _PLANS.clear()
-  run = _PLANS[key] = _plan(a, b, transpose_b, out_dtype, implementation)
+  run = _PLANS[key] = _plan(a, b, transpose_b, out_dtype, implementation,
+                            key)
   return run
 
 
@@ -107,31 +108,66 @@ def _products(m, n, k, transpose_b, out_f32):
           else (k, n, m, True, False, False))
 
 
-def _plan(a, b, transpose_b, out_dtype, implementation):
+def _plan(a, b, transpose_b, out_dtype, implementation, key):
   import cuda_ffi
   from rlk_jax import _gemm_tuning
-  from rlk_torch_bridge import _gemm_op
+  from rlk_torch_bridge import _gemm_op, _in_situ
   impl = _gemm_op._choose_for(a, b, False, transpose_b, out_dtype,
                               implementation)
   k = a.shape[-1]
   m, n = math.prod(a.shape[:-1]), b.shape[0] if transpose_b else b.shape[1]
   if impl != "cuda_ffi" or not (m and n and k) or not load():
     return None
-  codes = []
-  for pm, pn, pk, ta, tb, f32 in _products(m, n, k, transpose_b,
-                                           out_dtype == torch.float32):
+  products = _products(m, n, k, transpose_b, out_dtype == torch.float32)
+  chosen = []
+  for pm, pn, pk, ta, tb, f32 in products:
     config = _gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
                                         transpose_b=tb, out_f32=f32)
-    try:  # refuses a config whose launch needs a workspace
-      cuda_ffi.launcher(pm, pn, pk, transpose_a=ta, transpose_b=tb,
-                        out_f32=f32, config=config)
-    except RuntimeError:
+    if not _launchable(pm, pn, pk, ta, tb, f32, config):
       return None
-    codes.append(cuda_ffi.CONFIGS[config])
-  if (implementation is None and transpose_b and out_dtype == a.dtype
-      and a.dtype in (torch.bfloat16, torch.float16)):
-    # A bias-free nn.Linear's product: the C++ decoding route takes it from
-    # now on with this config (csrc/aten_route.cpp).
-    torch.ops.rlk.remember_linear(m, n, k, a.dtype, a.device.index, codes[0])
+    chosen.append(config)
   op = torch.ops.rlk.det_mm_sm90.default
-  return lambda a, b: op(a, b, transpose_b, out_dtype, *codes)
+  _, da, db = (cuda_ffi.CONFIGS[c] for c in chosen)
+
+  def launch(a, b, config):
+    return op(a, b, transpose_b, out_dtype, cuda_ffi.CONFIGS[config], da, db)
+
+  def fixed(config):
+    if (implementation is None and transpose_b and out_dtype == a.dtype
+        and a.dtype in (torch.bfloat16, torch.float16)):
+      # A bias-free nn.Linear's product: the C++ decoding route takes it
+      # from now on with this config (csrc/aten_route.cpp).
+      torch.ops.rlk.remember_linear(m, n, k, a.dtype, a.device.index,
+                                    cuda_ffi.CONFIGS[config])
+    return lambda a, b: launch(a, b, config)
+
+  fm, fn, fk, ta, tb, f32 = products[0]
+  trials = [chosen[0]]
+  if _in_situ.enabled() and 2.0 * m * n * k >= _in_situ.MIN_FLOP:
+    trials = [c for c in _gemm_tuning.trial_configs(
+        fm, fn, fk, transpose_a=ta, transpose_b=tb, out_f32=f32,
+        chosen=chosen[0]) if _launchable(fm, fn, fk, ta, tb, f32, c)]
+  if len(trials) < 2:
+    return fixed(chosen[0])
+
+  def keep(best, times):
+    try:
+      _gemm_tuning.keep_choice(fm, fn, fk, transpose_a=ta, transpose_b=tb,
+                               out_f32=f32, config=best, in_situ_ms=times)
+    except OSError as e:  # a read-only home: the choice stays this process's
+      warnings.warn(f"rlk: cannot write the det_gemm tuning cache: {e}")
+    _PLANS[key] = fixed(best)
+
+  return _in_situ.Trial(trials, launch, keep, _gemm_tuning.pick)
+
+
+def _launchable(m, n, k, ta, tb, f32, config) -> bool:
+  """Whether the direct launch takes this config (it refuses one that needs
+  a workspace)."""
+  import cuda_ffi
+  try:
+    cuda_ffi.launcher(m, n, k, transpose_a=ta, transpose_b=tb, out_f32=f32,
+                      config=config)
+  except RuntimeError:
+    return False
+  return True

@@ -324,3 +324,31 @@ def test_mosaic_choice_table_then_rule(fake_library):
   (tuning.TABLE_DIR / f"det_gemm_mosaic_gpu-{tuning.device_slug(DEVICE)}.json"
    ).write_text(json.dumps({"entries": {}}))
   assert pick(1024) is det_matmul_mgpu.CONFIGS["256x192"]
+
+
+def test_trial_configs_come_from_the_tuners_two_timings(fake_library):
+  # What a caller's own calls try (rlk_torch_bridge._in_situ): the tuner's
+  # choice first, then its three fastest finalists and screen entries; a
+  # product it never measured tries the large-M list; once a trial was
+  # kept, only its choice.
+  _, times, ship = fake_library
+  signature = dict(transpose_a=False, transpose_b=True, out_f32=False,
+                   device=DEVICE)
+  fast = tuning.CANDIDATES[5:9]
+  times.update({fast[0]: 0.5, fast[1]: 0.6, fast[2]: 0.7, fast[3]: 0.65,
+                "hot": {fast[0]: 0.9, fast[1]: 0.8, fast[2]: 0.85,
+                        fast[3]: 0.95}})
+  chosen = tuning.choose_config(700, 4096, 4096, **signature)
+  assert chosen == fast[1]  # the finalists' fastest
+  trials = tuning.trial_configs(700, 4096, 4096, chosen=chosen, **signature)
+  assert trials == [fast[1], fast[2], fast[0], fast[3]]
+  assert tuning.trial_configs(700, 4096, 4096, chosen=chosen, limit=2,
+                              **signature) == [fast[1], fast[2]]
+  tuning.keep_choice(700, 4096, 4096, config=fast[2],
+                     in_situ_ms={fast[2]: 0.4, fast[1]: 0.5}, **signature)
+  assert tuning.trial_configs(700, 4096, 4096, chosen=fast[2],
+                              **signature) == [fast[2]]
+  untuned = tuning.trial_configs(70000, 4096, 4096, chosen="pingpong_64x128",
+                                 **signature)
+  assert untuned == ["pingpong_64x128", *tuning.LARGE_M_TRIALS]
+  assert set(tuning.LARGE_M_TRIALS) <= set(tuning.CANDIDATES)

@@ -333,3 +333,37 @@ def test_cpp_route_takes_products_and_means_with_the_python_routes_bits(
   with torch.no_grad(), mode.aten_route():
     assert same_bits(torch.nn.functional.linear(x, w), python_route)
   assert seen == {"linear": 3, "mean": 1}
+
+
+def test_in_situ_trial_keeps_every_calls_bits(tmp_path, monkeypatch):
+  # A large product's first calls rotate through the configs worth trying
+  # (rlk_torch_bridge._in_situ), timed on the stream: every call gives the
+  # first call's bits, the fastest is kept in the tuning cache with its
+  # times, and the product's plan is then that config alone.
+  from rlk_jax import _gemm_tuning
+  from rlk_torch_bridge import _cpp_autograd, _in_situ
+  monkeypatch.setattr(_gemm_tuning, "cache_path",
+                      lambda device, build: tmp_path / "tuning.json")
+  _gemm_tuning.clear_memo()
+  _cpp_autograd._PLANS.clear()
+  m, n, k = 8832, 3072, 2048  # 2 m n k = 1.1e11 >= MIN_FLOP
+  a, w = bf16(m, k), bf16(n, k)
+  first = rtb.det_gemm(a, w, transpose_b=True)
+  trial = _cpp_autograd.product(a, w, True, torch.bfloat16, None)
+  assert isinstance(trial, _in_situ.Trial) and len(trial.configs) >= 2
+  outs = [rtb.det_gemm(a, w, transpose_b=True)
+          for _ in range(_in_situ.SAMPLES * len(trial.configs) + 1)]
+  torch.cuda.synchronize()
+  outs.append(rtb.det_gemm(a, w, transpose_b=True))  # reads the times
+  assert trial.best in trial.configs
+  assert all(same_bits(o, first) for o in outs)
+  entry = _gemm_tuning.tuned_entry(m, n, k, transpose_a=False,
+                                   transpose_b=True, out_f32=False)
+  assert entry["config"] == trial.best
+  assert set(entry["in_situ_ms"]) == set(trial.configs)
+  assert not isinstance(_cpp_autograd.product(a, w, True, torch.bfloat16,
+                                              None), _in_situ.Trial)
+  want = a.double() @ w.double().T
+  assert relative_error(first.double(), want) < 1e-2
+  _gemm_tuning.clear_memo()
+  _cpp_autograd._PLANS.clear()
