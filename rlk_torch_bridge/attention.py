@@ -97,9 +97,12 @@ def _readable_in_place(k, v, implementation) -> bool:
       or _attention_op.choose(implementation, "gpu") != "triton"):
     return False
   ks, vs = k.stride(), v.stride()
+  # Batch rows a whole number of token strides apart, the same for k and v
+  # (one sequence table numbers both), and not overlapping (a broadcast
+  # batch would have the backward write one row's dk for every sequence).
   return (ks[-1] == 1 and vs[-1] == 1 and ks[1] > 0 and vs[1] > 0
           and ks[0] % ks[1] == 0 and vs[0] % vs[1] == 0
-          and ks[0] // ks[1] == vs[0] // vs[1])
+          and ks[0] // ks[1] == vs[0] // vs[1] >= k.shape[1])
 
 
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
