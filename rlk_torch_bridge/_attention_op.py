@@ -123,6 +123,24 @@ def in_place(k) -> bool:
   return k.ndim == 4
 
 
+def readable_in_place(k, v, implementation) -> bool:
+  """Whether the kernels can read these [B, S, Hkv, D] keys and values
+  where they lie (the in-place form): a transposed [B, Hkv, S, D] cache,
+  such as transformers hands over, is then not copied into rows. Eager
+  CUDA calls on the Triton kernels; traced calls keep the rows (Inductor
+  lays out what it produces itself)."""
+  if (not k.is_cuda or torch.compiler.is_compiling()
+      or choose(implementation, "gpu") != "triton"):
+    return False
+  ks, vs = k.stride(), v.stride()
+  # Batch rows a whole number of token strides apart, the same for k and v
+  # (one sequence table numbers both), and not overlapping (a broadcast
+  # batch would have the backward write one row's dk for every sequence).
+  return (ks[-1] == 1 and vs[-1] == 1 and ks[1] > 0 and vs[1] > 0
+          and ks[0] % ks[1] == 0 and vs[0] % vs[1] == 0
+          and ks[0] // ks[1] == vs[0] // vs[1] >= k.shape[1])
+
+
 def _refuse_in_place(impl, k):
   if in_place(k):
     raise ValueError(

@@ -42,14 +42,12 @@ def eligible(query, key, value, implementation) -> bool:
   """Whether this SDPA-layout call (q ``[B, Hq, n, D]``, cache ``[B, Hkv,
   S, D]``) can take the step. Operand checks are the caller's
   (``sdpa.refusal``)."""
-  if (not query.is_cuda or torch.compiler.is_compiling()
+  if (not query.is_cuda or query.stride(-1) != 1
       or _library.needs_grad(query, key, value)):
     return False
-  if _attention_op.choose(implementation, "gpu") != "triton":
-    return False
-  ks = key.stride()
-  return (query.stride(-1) == 1 and ks[-1] == 1 and ks == value.stride()
-          and ks[2] > 0 and ks[0] % ks[2] == 0 and _triton_importable())
+  return (_attention_op.readable_in_place(
+      key.transpose(1, 2), value.transpose(1, 2), implementation)
+          and _triton_importable())
 
 
 def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:

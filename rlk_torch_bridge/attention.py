@@ -87,24 +87,6 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
-def _readable_in_place(k, v, implementation) -> bool:
-  """Whether the kernels can read [B, S, Hkv, D] keys and values where
-  they lie (``_attention_op``'s in-place form): a transposed [B, Hkv, S, D]
-  cache, such as transformers hands over, is then not copied into rows.
-  Eager CUDA calls on the Triton kernels; traced calls keep the rows
-  (Inductor lays out what it produces itself)."""
-  if (not k.is_cuda or torch.compiler.is_compiling()
-      or _attention_op.choose(implementation, "gpu") != "triton"):
-    return False
-  ks, vs = k.stride(), v.stride()
-  # Batch rows a whole number of token strides apart, the same for k and v
-  # (one sequence table numbers both), and not overlapping (a broadcast
-  # batch would have the backward write one row's dk for every sequence).
-  return (ks[-1] == 1 and vs[-1] == 1 and ks[1] > 0 and vs[1] > 0
-          and ks[0] % ks[1] == 0 and vs[0] % vs[1] == 0
-          and ks[0] // ks[1] == vs[0] // vs[1] >= k.shape[1])
-
-
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   cu_seqlens=None, info=None, mask=None, kv_lens=None,
                   kv_start=None, scale: float | None = None,
@@ -127,7 +109,8 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       causal=causal, sliding_window=sliding_window, softcap=softcap)
   hq, d = q.shape[-2:]
   flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
-  in_place = layout != "packed" and _readable_in_place(k, v, implementation)
+  in_place = layout != "packed" and _attention_op.readable_in_place(
+      k, v, implementation)
   seqs, contiguous = _seqs(
       layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
       k.stride(0) // k.stride(1) if in_place else k.shape[1])

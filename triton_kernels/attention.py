@@ -669,7 +669,7 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
   strides = row_strides(q, k, v)
   if not split_chunks:
     _launch_fwd(grid, key, q, k, v, seqs, tiles, out, lse, seqs.shape[1],
-                *strides, *_strides(out), hq, num_warps=config.num_warps,
+                *strides, *row_strides(out), hq, num_warps=config.num_warps,
                 num_stages=config.num_stages, **meta)
     return out, lse
   # One f32 workspace for the partials: acc [chunks, Tq, Hq, D], then
