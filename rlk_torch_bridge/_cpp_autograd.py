@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from rlk_torch_bridge import _library
+
 ENV = "RLK_TORCH_CPP_AUTOGRAD"
 # The products with their autograd, the row kernel, the decoding route's
 # aten kernels (``csrc/aten_route.cpp``, ``_aten_route``): one extension.
@@ -79,24 +81,43 @@ def _fake(a, b, transpose_b, out_dtype, config, config_da, config_db):
 
 
 _PLANS: dict = {}
+# Signatures whose products are still on trial (``_in_situ``): their plan
+# waits here until every trial has kept a config.
+_PENDING: dict = {}
 
 
 def product(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
             out_dtype: torch.dtype, implementation: str | None):
   """``run(a, b)`` on the C++ route for this call's signature, or None
   where the route does not apply (another implementation, an empty
-  product, a config that needs a workspace, a capture in progress)."""
+  product, a config that needs a workspace, a capture in progress) or not
+  yet (a call that records a gradient while the products are on trial:
+  the Python route runs the backward's products, where their trials
+  time them)."""
   key = (a.shape, b.shape, transpose_b, a.dtype, b.dtype, out_dtype,
          implementation, a.device.index)
   if key in _PLANS:
     return _PLANS[key]
   if torch.cuda.is_current_stream_capturing():
     return None  # configs are chosen by measurement, outside a capture
-  if len(_PLANS) > 4096:
-    _PLANS.clear()
-  run = _PLANS[key] = _plan(a, b, transpose_b, out_dtype, implementation,
-                            key)
-  return run
+  plan = _PENDING.get(key)
+  if plan is None:
+    plan = _plan(a, b, transpose_b, out_dtype, implementation)
+    if plan is None or plan.settled():
+      if len(_PLANS) > 4096:
+        _PLANS.clear()
+      run = _PLANS[key] = None if plan is None else plan.fixed()
+      return run
+    if len(_PENDING) > 4096:
+      _PENDING.clear()
+    _PENDING[key] = plan
+  if plan.settled():
+    run = _PLANS[key] = plan.fixed()
+    del _PENDING[key]
+    return run
+  if _library.needs_grad(a, b):
+    return None
+  return plan.forward_run
 
 
 def _products(m, n, k, transpose_b, out_f32):
@@ -108,66 +129,80 @@ def _products(m, n, k, transpose_b, out_f32):
           else (k, n, m, True, False, False))
 
 
-def _plan(a, b, transpose_b, out_dtype, implementation, key):
-  import cuda_ffi
-  from rlk_jax import _gemm_tuning
-  from rlk_torch_bridge import _gemm_op, _in_situ
+class _Plan:
+  """A signature's three products: their configs once their trials have
+  kept them (``fixed``), and meanwhile the forward's trial (``forward_run``,
+  for calls that record no gradient: they launch the forward alone)."""
+
+  def __init__(self, m, n, k, transpose_b, out_dtype, dtype, device_index,
+               linear, products):
+    import cuda_ffi
+    from rlk_jax import _gemm_tuning
+    from rlk_torch_bridge import _in_situ
+    self.shape = (m, n, k)
+    self.transpose_b, self.out_dtype = transpose_b, out_dtype
+    self.dtype, self.device_index, self.linear = dtype, device_index, linear
+    self.products = products
+    chosen = [_gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
+                                         transpose_b=tb, out_f32=f32)
+              for pm, pn, pk, ta, tb, f32 in products]
+    self.launchable = all(_in_situ.launchable(*p, c)
+                          for p, c in zip(products, chosen))
+    self.trials = [_in_situ.trial(*p, c) for p, c in zip(products, chosen)]
+    self.codes = [cuda_ffi.CONFIGS[c] for c in chosen]
+    forward, launch = self.trials[0], self._launch
+    if forward is not None and forward.best is None:
+      forward.on_keep.append(self._remember)
+      self.forward_run = lambda a, b: forward.run(launch, a, b)
+    else:
+      self._remember(chosen[0])
+      self.forward_run = lambda a, b: launch(a, b, chosen[0])
+
+  def _launch(self, a, b, config):
+    import cuda_ffi
+    return torch.ops.rlk.det_mm_sm90.default(
+        a, b, self.transpose_b, self.out_dtype, cuda_ffi.CONFIGS[config],
+        *self.codes[1:])
+
+  def _remember(self, config):
+    import cuda_ffi
+    if self.linear:
+      # A bias-free nn.Linear's product: the C++ decoding route takes it
+      # from now on with this config (csrc/aten_route.cpp).
+      torch.ops.rlk.remember_linear(*self.shape, self.dtype,
+                                    self.device_index,
+                                    cuda_ffi.CONFIGS[config])
+
+  def settled(self) -> bool:
+    return all(t is None or t.best is not None for t in self.trials)
+
+  def fixed(self):
+    """``run(a, b)`` on the configs kept now (the trials' where they kept
+    one: ``choose_config`` reads what they kept)."""
+    import cuda_ffi
+    from rlk_jax import _gemm_tuning
+    codes = [cuda_ffi.CONFIGS[_gemm_tuning.choose_config(
+        pm, pn, pk, transpose_a=ta, transpose_b=tb, out_f32=f32)]
+             for pm, pn, pk, ta, tb, f32 in self.products]
+    if self.linear:
+      torch.ops.rlk.remember_linear(*self.shape, self.dtype,
+                                    self.device_index, codes[0])
+    op = torch.ops.rlk.det_mm_sm90.default
+    transpose_b, out_dtype = self.transpose_b, self.out_dtype
+    return lambda a, b: op(a, b, transpose_b, out_dtype, *codes)
+
+
+def _plan(a, b, transpose_b, out_dtype, implementation):
+  from rlk_torch_bridge import _gemm_op
   impl = _gemm_op._choose_for(a, b, False, transpose_b, out_dtype,
                               implementation)
   k = a.shape[-1]
   m, n = math.prod(a.shape[:-1]), b.shape[0] if transpose_b else b.shape[1]
   if impl != "cuda_ffi" or not (m and n and k) or not load():
     return None
-  products = _products(m, n, k, transpose_b, out_dtype == torch.float32)
-  chosen = []
-  for pm, pn, pk, ta, tb, f32 in products:
-    config = _gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
-                                        transpose_b=tb, out_f32=f32)
-    if not _launchable(pm, pn, pk, ta, tb, f32, config):
-      return None
-    chosen.append(config)
-  op = torch.ops.rlk.det_mm_sm90.default
-  _, da, db = (cuda_ffi.CONFIGS[c] for c in chosen)
-
-  def launch(a, b, config):
-    return op(a, b, transpose_b, out_dtype, cuda_ffi.CONFIGS[config], da, db)
-
-  def fixed(config):
-    if (implementation is None and transpose_b and out_dtype == a.dtype
-        and a.dtype in (torch.bfloat16, torch.float16)):
-      # A bias-free nn.Linear's product: the C++ decoding route takes it
-      # from now on with this config (csrc/aten_route.cpp).
-      torch.ops.rlk.remember_linear(m, n, k, a.dtype, a.device.index,
-                                    cuda_ffi.CONFIGS[config])
-    return lambda a, b: launch(a, b, config)
-
-  fm, fn, fk, ta, tb, f32 = products[0]
-  trials = [chosen[0]]
-  if _in_situ.enabled() and 2.0 * m * n * k >= _in_situ.MIN_FLOP:
-    trials = [c for c in _gemm_tuning.trial_configs(
-        fm, fn, fk, transpose_a=ta, transpose_b=tb, out_f32=f32,
-        chosen=chosen[0]) if _launchable(fm, fn, fk, ta, tb, f32, c)]
-  if len(trials) < 2:
-    return fixed(chosen[0])
-
-  def keep(best, times):
-    try:
-      _gemm_tuning.keep_choice(fm, fn, fk, transpose_a=ta, transpose_b=tb,
-                               out_f32=f32, config=best, in_situ_ms=times)
-    except OSError as e:  # a read-only home: the choice stays this process's
-      warnings.warn(f"rlk: cannot write the det_gemm tuning cache: {e}")
-    _PLANS[key] = fixed(best)
-
-  return _in_situ.Trial(trials, launch, keep, _gemm_tuning.pick)
-
-
-def _launchable(m, n, k, ta, tb, f32, config) -> bool:
-  """Whether the direct launch takes this config (it refuses one that needs
-  a workspace)."""
-  import cuda_ffi
-  try:
-    cuda_ffi.launcher(m, n, k, transpose_a=ta, transpose_b=tb, out_f32=f32,
-                      config=config)
-  except RuntimeError:
-    return False
-  return True
+  linear = (implementation is None and transpose_b and out_dtype == a.dtype
+            and a.dtype in (torch.bfloat16, torch.float16))
+  plan = _Plan(m, n, k, transpose_b, out_dtype, a.dtype, a.device.index,
+               linear, _products(m, n, k, transpose_b,
+                                 out_dtype == torch.float32))
+  return plan if plan.launchable else None

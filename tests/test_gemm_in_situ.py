@@ -1,7 +1,8 @@
 """rlk_torch_bridge._in_situ.Trial on the CPU: which config each of a
 product's first calls runs, which it keeps from their times, and that
-nothing waits on a timer. On the device the calls are det_gemm's own
-(tests/test_torch_ops_gpu.py::test_in_situ_trial_keeps_every_calls_bits)."""
+nothing waits on a timer. On the device the calls are det_gemm's own,
+forward and backward (tests/test_torch_ops_gpu.py::
+test_in_situ_trials_keep_every_calls_bits)."""
 
 from __future__ import annotations
 
@@ -33,26 +34,26 @@ class FakeTimer:
 
 def _trial(configs, ms, samples=2):
   clock = {"ms": {c: list(v) for c, v in ms.items()}, "ready": False}
-  launched, kept = [], []
+  launched, kept, hooked = [], [], []
 
   def launch(a, b, config):
     launched.append(config)
     return (a, b, config)
 
   def timer(a):  # started before the launch it times: its config is next
-    config = trial.order[len(trial.timed)]
-    return FakeTimer(clock, config)
+    return FakeTimer(clock, trial.order[len(trial.timed)])
 
-  trial = _in_situ.Trial(configs, launch, lambda best, t: kept.append(
-      (best, t)), _gemm_tuning.pick, samples=samples, timer=timer)
-  return trial, clock, launched, kept
+  trial = _in_situ.Trial(configs, lambda best, t: kept.append((best, t)),
+                         _gemm_tuning.pick, samples=samples, timer=timer)
+  trial.on_keep.append(hooked.append)
+  return (lambda a, b: trial.run(launch, a, b)), clock, launched, kept, hooked
 
 
 def test_trial_rotates_then_keeps_the_fastest_best_sample():
   a, b = torch.ones(2), torch.ones(3)
   configs = ["pingpong_128x128", "pingpong_192x128_cluster_2x1",
              "cooperative_256x192"]
-  trial, clock, launched, kept = _trial(configs, {
+  trial, clock, launched, kept, hooked = _trial(configs, {
       configs[0]: [1.00, 0.98], configs[1]: [0.93, 0.99],
       configs[2]: [1.20, 0.96]})
   for _ in range(6):
@@ -64,6 +65,7 @@ def test_trial_rotates_then_keeps_the_fastest_best_sample():
   assert trial(a, b)[2] == configs[1]
   assert kept == [(configs[1], {configs[0]: 0.98, configs[1]: 0.93,
                                 configs[2]: 0.96})]
+  assert hooked == [configs[1]]
   for _ in range(3):
     assert trial(a, b)[2] == configs[1]
   assert len(kept) == 1
@@ -72,7 +74,7 @@ def test_trial_rotates_then_keeps_the_fastest_best_sample():
 def test_a_trial_within_the_tie_keeps_the_tuners_choice():
   a = torch.ones(1)
   configs = ["cooperative_256x192", "pingpong_128x128"]
-  trial, clock, _, kept = _trial(configs, {configs[0]: [1.005],
+  trial, clock, _, kept, _ = _trial(configs, {configs[0]: [1.005],
                                            configs[1]: [1.0]}, samples=1)
   trial(a, a), trial(a, a)
   clock["ready"] = True

@@ -335,35 +335,51 @@ def test_cpp_route_takes_products_and_means_with_the_python_routes_bits(
   assert seen == {"linear": 3, "mean": 1}
 
 
-def test_in_situ_trial_keeps_every_calls_bits(tmp_path, monkeypatch):
-  # A large product's first calls rotate through the configs worth trying
-  # (rlk_torch_bridge._in_situ), timed on the stream: every call gives the
-  # first call's bits, the fastest is kept in the tuning cache with its
-  # times, and the product's plan is then that config alone.
+def test_in_situ_trials_keep_every_calls_bits(tmp_path, monkeypatch):
+  # A large product's first calls, forward and both backward products,
+  # rotate through the configs worth trying (rlk_torch_bridge._in_situ),
+  # timed on the stream: every step gives the first step's bits, each
+  # trial keeps its fastest in the tuning cache with its times, and the C++
+  # route then takes the product on the kept configs.
   from rlk_jax import _gemm_tuning
-  from rlk_torch_bridge import _cpp_autograd, _in_situ
+  from rlk_torch_bridge import _cpp_autograd, _gemm_op, _in_situ
   monkeypatch.setattr(_gemm_tuning, "cache_path",
                       lambda device, build: tmp_path / "tuning.json")
-  _gemm_tuning.clear_memo()
-  _cpp_autograd._PLANS.clear()
+
+  def forget():
+    _gemm_tuning.clear_memo()
+    _in_situ.clear()
+    for plans in (_cpp_autograd._PLANS, _cpp_autograd._PENDING,
+                  _gemm_op._PLANS):
+      plans.clear()
+  forget()
   m, n, k = 8832, 3072, 2048  # 2 m n k = 1.1e11 >= MIN_FLOP
-  a, w = bf16(m, k), bf16(n, k)
-  first = rtb.det_gemm(a, w, transpose_b=True)
-  trial = _cpp_autograd.product(a, w, True, torch.bfloat16, None)
-  assert isinstance(trial, _in_situ.Trial) and len(trial.configs) >= 2
-  outs = [rtb.det_gemm(a, w, transpose_b=True)
-          for _ in range(_in_situ.SAMPLES * len(trial.configs) + 1)]
+  a, w = bf16(m, k, requires_grad=True), bf16(n, k, requires_grad=True)
+  g = bf16(m, n)
+
+  def step():
+    a.grad = w.grad = None
+    out = rtb.det_gemm(a, w, transpose_b=True)
+    out.backward(g)
+    return out.detach(), a.grad, w.grad
+  first = step()
+  steps = [step() for _ in range(2 * _in_situ.SAMPLES * 6)]
   torch.cuda.synchronize()
-  outs.append(rtb.det_gemm(a, w, transpose_b=True))  # reads the times
-  assert trial.best in trial.configs
-  assert all(same_bits(o, first) for o in outs)
-  entry = _gemm_tuning.tuned_entry(m, n, k, transpose_a=False,
-                                   transpose_b=True, out_f32=False)
-  assert entry["config"] == trial.best
-  assert set(entry["in_situ_ms"]) == set(trial.configs)
-  assert not isinstance(_cpp_autograd.product(a, w, True, torch.bfloat16,
-                                              None), _in_situ.Trial)
+  steps += [step() for _ in range(2)]  # the trials read their times
+  products = _cpp_autograd._products(m, n, k, True, False)
+  trials = [_in_situ._TRIALS[p] for p in products]
+  assert all(t is not None and t.best in t.configs for t in trials)
+  for got in steps:
+    assert all(same_bits(x, y) for x, y in zip(got, first))
+  for (pm, pn, pk, ta, tb, f32), t in zip(products, trials):
+    entry = _gemm_tuning.tuned_entry(pm, pn, pk, transpose_a=ta,
+                                     transpose_b=tb, out_f32=f32)
+    assert entry["config"] == t.best
+    assert set(entry["in_situ_ms"]) == set(t.configs)
+  assert _cpp_autograd.product(a, w, True, torch.bfloat16, None) is not None
+  assert not _cpp_autograd._PENDING
+  with torch.no_grad():
+    assert same_bits(rtb.det_gemm(a, w, transpose_b=True), first[0])
   want = a.double() @ w.double().T
-  assert relative_error(first.double(), want) < 1e-2
-  _gemm_tuning.clear_memo()
-  _cpp_autograd._PLANS.clear()
+  assert relative_error(first[0].double(), want) < 1e-2
+  forget()
