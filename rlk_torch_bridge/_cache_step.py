@@ -78,26 +78,58 @@ def _settings(b, n, hq, hkv, d, s_cache, scale, softcap, window):
   return hpt, chunks, kernels.config_for(d), statics
 
 
+class Step:
+  """The step's launches for calls of one signature (shapes, strides,
+  dtypes, attention settings) against one sequence table: every layer of
+  a decoder's forward. Made once a forward (``sdpa`` keeps it with the
+  mask it read the table from), it leaves a layer's call one allocation,
+  the launches and, where the mask may not fit, the poisoning of its rows
+  (`unfit`: bool [B, 1, 1, 1], or None). `config` and `plan` (heads per
+  program, key chunks) default to the device's tiles and ``decode_plan``
+  (the interpreter's tests pass theirs)."""
+
+  def __init__(self, query, key, value, seqs, unfit=None, scale=None,
+               softcap=None, window=None, config=None, plan=None):
+    from triton_kernels import attention as kernels
+    b, hq, n, d = query.shape
+    hpt, chunks, default_config, statics = _settings(
+        b, n, hq, key.shape[1], d, key.shape[2], scale, softcap, window)
+    if plan is not None:
+      hpt, chunks = plan
+    config = config or default_config
+    tiles = _attention_op.decode_tiles(query.device, b, n,
+                                       config.tile_rows(True) // hpt)
+    self._shape = (b, n, hq, d)
+    self._unfit = unfit
+    self._lse = torch.empty((b * n, hq), dtype=torch.float32,
+                            device=query.device)
+    # [B, S, Hkv, D] views: the kernels' in-place form (row b * stride(0)
+    # / stride(1) + t), which `sequence_table` counts in.
+    self._launch = kernels.PreparedForward(
+        self._rows(query), key.transpose(1, 2), value.transpose(1, 2), seqs,
+        tiles, statics, config, hpt, chunks)
+
+  def _rows(self, query):
+    b, n, hq, d = self._shape
+    # n = 1: [B, Hq, D] is a view (token stride = the batch stride).
+    return (query[:, :, 0] if n == 1
+            else query.transpose(1, 2).reshape(b * n, hq, d))
+
+  def __call__(self, query, key, value) -> torch.Tensor:
+    """The step's output ``[B, n, Hq, D]`` (transformers' layout). The
+    launches read key and value through the strides of their ``[B, S,
+    Hkv, D]`` transposes, which start at the same element (and the lse,
+    which nobody reads, goes to one buffer, reused in stream order)."""
+    b, n, hq, d = self._shape
+    out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
+    self._launch(self._rows(query), key, value, out, self._lse)
+    out = out.view(b, n, hq, d)
+    return out if self._unfit is None else out.masked_fill_(self._unfit,
+                                                             float("nan"))
+
+
 def run(query, key, value, seqs, scale=None, softcap=None, window=None,
         config=None, plan=None) -> torch.Tensor:
-  """The step's output ``[B, n, Hq, D]`` (transformers' layout). `config`
-  and `plan` (heads per program, key chunks) default to the device's tiles
-  and ``decode_plan`` (the interpreter's tests pass theirs)."""
-  from triton_kernels import attention as kernels
-  b, hq, n, d = query.shape
-  hpt, chunks, default_config, statics = _settings(
-      b, n, hq, key.shape[1], d, key.shape[2], scale, softcap, window)
-  if plan is not None:
-    hpt, chunks = plan
-  config = config or default_config
-  # n = 1: [B, Hq, D] is a view (token stride = the batch stride).
-  q = query[:, :, 0] if n == 1 else query.transpose(1, 2).reshape(b * n, hq, d)
-  tiles = _attention_op.decode_tiles(query.device, b, n,
-                                     config.tile_rows(True) // hpt)
-  out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
-  lse = torch.empty((b * n, hq), dtype=torch.float32, device=query.device)
-  # [B, S, Hkv, D] views: the kernels' in-place form (row b * stride(0) /
-  # stride(1) + t), which `sequence_table` counts in.
-  kernels.forward_torch(q, key.transpose(1, 2), value.transpose(1, 2), seqs,
-                        tiles, out, lse, statics, config, hpt, chunks)
-  return out.view(b, n, hq, d)
+  """One call's step: ``Step(...)(query, key, value)``."""
+  return Step(query, key, value, seqs, None, scale, softcap, window, config,
+              plan)(query, key, value)

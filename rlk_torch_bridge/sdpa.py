@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _cache_step
+from rlk_torch_bridge import _attention_op, _cache_step, _library
 from rlk_torch_bridge.attention import det_attention
 
 
@@ -131,11 +131,19 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   that does not fit gives None."""
   b, _, n, _ = query.shape
   s_k = key.shape[2]
-  q = query.transpose(1, 2)
-  k = key.transpose(1, 2)
-  v = value.transpose(1, 2)
   opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,
               implementation=implementation)
+  if attn_mask is not None and attn_mask.ndim != 2:
+    layout, fits, memo = _layout(attn_mask, position_ids, b, n, s_k,
+                                 sliding_window, query.device)
+    if check == "host" and not bool(fits.all()):
+      return None
+    if n < s_k:
+      step = _step(memo, query, key, value, layout, fits, scale, softcap,
+                   sliding_window, implementation)
+      if step is not None:
+        return step(query, key, value)
+  q, k, v = (x.transpose(1, 2) for x in (query, key, value))
   if attn_mask is None:
     if n == s_k:
       return det_attention(q, k, v, **opts)
@@ -147,24 +155,36 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
     return det_attention(q, k, v, kv_lens=full, **opts)
   if attn_mask.ndim == 2:
     return _with_tokens(q, k, v, attn_mask.to(q.device).bool(), opts)
-  layout, fits, memo = _layout(attn_mask, position_ids, b, n, s_k,
-                               sliding_window, q.device)
-  if check == "host" and not bool(fits.all()):
-    return None
-  if n < s_k and _cache_step.eligible(query, key, value, implementation):
-    # Every layer of a forward shares the mask, so the table and the rows
-    # to poison are built once.
-    cache_rows = ("step", key.stride(0) // key.stride(2))
-    if cache_rows not in memo:
-      memo[cache_rows] = (_cache_step.sequence_table(
-          key, n, layout["kv_start"], layout["kv_lens"]),
-                          ~fits[:, None, None, None])
-    seqs, unfit = memo[cache_rows]
-    out = _cache_step.run(query, key, value, seqs, scale, softcap,
-                          sliding_window)
-    return out.masked_fill_(unfit, float("nan"))
   out = det_attention(q, k, v, **layout, **opts)
   return out.masked_fill(~fits[:, None, None, None], float("nan"))
+
+
+_NOT_MADE = object()
+
+
+def _step(memo, query, key, value, layout, fits, scale, softcap, window,
+          implementation):
+  """The KV-cache step (``_cache_step.Step``) for this call, or None where
+  it does not apply (``_cache_step.eligible``; not in a CUDA-graph
+  capture, whose allocations belong to the graph). Every layer of a
+  forward shares the mask, so each signature's step is made once a
+  forward and kept in the mask's memo."""
+  if (not query.is_cuda or _library.needs_grad(query, key, value)
+      or torch.cuda.is_current_stream_capturing()):
+    return None
+  signature = ("step", query.shape, query.stride(), key.shape, key.stride(),
+               value.shape, value.stride(), query.dtype, key.dtype,
+               value.dtype, query.device, scale, softcap, window,
+               implementation)
+  step = memo.get(signature, _NOT_MADE)
+  if step is _NOT_MADE:
+    step = memo[signature] = None
+    if _cache_step.eligible(query, key, value, implementation):
+      step = memo[signature] = _cache_step.Step(
+          query, key, value, _cache_step.sequence_table(
+              key, query.shape[2], layout["kv_start"], layout["kv_lens"]),
+          ~fits[:, None, None, None], scale, softcap, window)
+  return step
 
 
 # The last masks read back: transformers hands every layer of a forward the

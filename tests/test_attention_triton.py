@@ -141,6 +141,16 @@ def test_cache_step_reads_sdpa_cache_in_place_with_the_same_bits(
                    rows(value).contiguous(), flat, statics, hpt, chunks)
   np.testing.assert_array_equal(bits(step.reshape(-1, HQ, D)), bits(out))
   assert not torch.isnan(step).any()
+  # One Step serves every layer of a forward: made from this layer's
+  # tensors, it gives another layer's (other values, the same shapes)
+  # that layer's own bits, and this layer's again.
+  made = _cache_step.Step(query, key, value, seqs, None, D ** -0.5, softcap,
+                          window, config=CONFIG, plan=(hpt, chunks))
+  other = [_t(rng.standard_normal(x.shape)) for x in (query, key, value)]
+  want = _cache_step.run(*other, seqs, D ** -0.5, softcap, window,
+                         config=CONFIG, plan=(hpt, chunks))
+  np.testing.assert_array_equal(bits(made(*other)), bits(want))
+  np.testing.assert_array_equal(bits(made(query, key, value)), bits(step))
 
 
 def test_in_place_rows_of_a_transposed_cache_give_the_rows_bits(rng):

@@ -229,9 +229,10 @@ def test_default_routes_take_no_deprecated_pallas_lowering(rng):
 
 def test_launcher_fast_path_gives_tritons_own_launch_bits():
   # triton_kernels.backend.Launcher: after its first launch of a key it
-  # calls the compiled kernel directly; the bits are Triton's own launch's,
-  # and an argument Triton specialises otherwise (a misaligned view) gets
-  # its own compiled kernel.
+  # calls the compiled kernel directly (and so does a launch prepared for
+  # its scalars); the bits are Triton's own launch's, and an argument
+  # Triton specialises otherwise (a misaligned view) gets its own compiled
+  # kernel.
   torch = pytest.importorskip("torch")
   from triton_kernels import row_sum
   from triton_kernels.backend import Launcher
@@ -248,5 +249,14 @@ def test_launcher_fast_path_gives_tritons_own_launch_bits():
       got = torch.full_like(want, float("nan"))
       launcher((rows,), ("mean",), x, got, k, x.stride(0), float(k),
                BLOCK=row_sum.block_for(k), num_warps=4)
+      assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # A prepared launch (scalars, grid and constexprs fixed; the tensors
+    # passed per call): the same kernel, the same bits.
+    prepared = launcher.prepared((rows,), ("mean",), (k, x.stride(0),
+                                                      float(k)),
+                                 BLOCK=row_sum.block_for(k), num_warps=4)
+    for _ in range(2):
+      got = torch.full_like(want, float("nan"))
+      prepared(x, got)
       assert torch.equal(got.view(torch.int16), want.view(torch.int16))
   assert len(launcher._compiled) == 2

@@ -59,6 +59,7 @@ from triton_kernels.backend import (Launcher, interpreted, jax_triton,
                                     triton, tl)
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
+           "PreparedForward",
            "backward_jax", "backward_torch", "LOG2E"]
 
 LOG2E = 1.4426950408889634
@@ -660,33 +661,70 @@ def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
   `split_chunks` as in forward_jax. q is [Tq, Hq, D] with any token and
   head strides; k and v are [Tk, Hkv, D] the same way or [B, S, Hkv, D]
   read in place (`row_strides`; `seqs` counts their rows so)."""
-  import torch
-  tq, hq, d = q.shape
-  grid = (tiles.shape[1], hq // heads_per_tile)
-  split = bool(split_chunks)
-  meta, key = _fwd_launch(statics, config, heads_per_tile, interpreted(),
-                          split)
-  strides = row_strides(q, k, v)
-  if not split_chunks:
-    _launch_fwd(grid, key, q, k, v, seqs, tiles, out, lse, seqs.shape[1],
-                *strides, *row_strides(out), hq, num_warps=config.num_warps,
-                num_stages=config.num_stages, **meta)
-    return out, lse
-  # One f32 workspace for the partials: acc [chunks, Tq, Hq, D], then
-  # (m, l) [chunks, Tq, Hq, 2].
-  n_acc = split_chunks * tq * hq * d
-  work = torch.empty(n_acc + split_chunks * tq * hq * 2, dtype=torch.float32,
-                     device=q.device)
-  ml = work[n_acc:]
-  _launch_split(grid + (split_chunks,), key, q, k, v, seqs, tiles, work, ml,
-                seqs.shape[1], tq, *strides, num_warps=config.warps(True),
-                num_stages=config.num_stages, **meta)
-  # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
-  _launch_combine((-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D),
-                  (d,), work, ml, out, lse, tq * hq, split_chunks,
-                  HEAD_DIM=d, BLOCK=_COMBINE_BLOCK, BLOCK_D=_COMBINE_BLOCK_D,
-                  num_warps=4)
+  PreparedForward(q, k, v, seqs, tiles, statics, config, heads_per_tile,
+                  split_chunks)(q, k, v, out, lse)
   return out, lse
+
+
+class PreparedForward:
+  """forward_torch's launches for calls whose q, k, v, out and lse have
+  the shapes and strides of the ones given here and differ only in where
+  they lie: every layer of a decode step (a cache per layer, all of one
+  shape). The sequence table, tile map, strides, grids, constexprs and
+  the split's f32 workspace are settled once; a call passes the five
+  tensors (any view starting at the same element: only their addresses
+  are read). The workspace is reused in stream order: a call's combine
+  reads it before the next call's split, queued after it, writes it."""
+
+  def __init__(self, q, k, v, seqs, tiles, statics: Statics,
+               config: AttentionConfig, heads_per_tile: int,
+               split_chunks: int = 0):
+    tq, hq, d = q.shape
+    grid = (tiles.shape[1], hq // heads_per_tile)
+    split = bool(split_chunks)
+    meta, key = _fwd_launch(statics, config, heads_per_tile, interpreted(),
+                            split)
+    strides = row_strides(q, k, v)
+    self._tables = (seqs, tiles)
+    self._split = self._work = None
+    if not split:
+      self._fwd = _launch_fwd.prepared(
+          grid, key, (seqs.shape[1], *strides, hq * d, d, hq),
+          num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+      return
+    # One f32 workspace for the partials: acc [chunks, Tq, Hq, D], then
+    # (m, l) [chunks, Tq, Hq, 2].
+    self._n_acc = split_chunks * tq * hq * d
+    self._n_work = self._n_acc + split_chunks * tq * hq * 2
+    self._split = _launch_split.prepared(
+        grid + (split_chunks,), key, (seqs.shape[1], tq, *strides),
+        num_warps=config.warps(True), num_stages=config.num_stages, **meta)
+    # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
+    self._combine = _launch_combine.prepared(
+        (-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D), (d,),
+        (tq * hq, split_chunks), HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
+        BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
+
+  def __call__(self, q, k, v, out, lse):
+    seqs, tiles = self._tables
+    if self._split is None:
+      self._fwd(q, k, v, seqs, tiles, out, lse)
+      return
+    work, ml = self._workspace(q)
+    self._split(q, k, v, seqs, tiles, work, ml)
+    self._combine(work, ml, out, lse)
+
+  def _workspace(self, q):
+    """(partials, their (m, l)), kept for calls on the stream that made
+    them (another stream gets its own: nothing orders it after the last
+    user)."""
+    import torch
+    stream = (torch._C._cuda_getCurrentRawStream(q.device.index)
+              if q.is_cuda else None)
+    if self._work is None or self._work[0] != stream:
+      work = torch.empty(self._n_work, dtype=torch.float32, device=q.device)
+      self._work = (stream, work, work[self._n_acc:])
+    return self._work[1:]
 
 
 _DELTA_BLOCK = 64

@@ -117,6 +117,36 @@ class Launcher:
     compiled.run(g[0], g[1], g[2], stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *tail)
 
+  def prepared(self, grid, key, scalars, **kwargs):
+    """``launch(*tensors)`` for calls that differ from one another in their
+    tensor parameters alone (a decode step's layers: the same shapes and
+    strides, other buffers), which come first in the kernel's signature.
+    The scalars after them, the grid and the constexprs are fixed here,
+    and the scalars' specialisation is worked out once; each call still
+    checks its tensors' (dtype, alignment) and any launch hook, as
+    ``__call__`` does. Triton reads a tensor argument through
+    ``data_ptr()`` alone."""
+    import torch
+    scalars = tuple(scalars)
+    scalar_spec = self._specialisation(scalars)
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    knobs = getattr(triton, "knobs", None)
+    current_device = torch.cuda.current_device
+
+    def launch(*tensors):
+      entry = self._compiled.get(
+          (key, self._specialisation(tensors) + scalar_spec))
+      if (entry is None or knobs is None
+          or _hooked(knobs.runtime.launch_enter_hook)
+          or _hooked(knobs.runtime.launch_exit_hook)):
+        return self(grid, key, *tensors, *scalars, **kwargs)
+      compiled, tail = entry
+      stream = torch._C._cuda_getCurrentRawStream(current_device())
+      compiled.run(g[0], g[1], g[2], stream,
+                   compiled.function, compiled.packed_metadata, None, None,
+                   None, *tensors, *scalars, *tail)
+    return launch
+
   def _remember(self, fast_key, compiled, n_args, kwargs):
     # The launcher takes every parameter in signature order (it skips the
     # constexprs' values): the keyword ones follow the positional ones.
