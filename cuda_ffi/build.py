@@ -4,7 +4,7 @@ goes into it.
 
     python -m cuda_ffi.build            # build (or find) the library, print its path
     python -m cuda_ffi.build --check    # compile every source for sm_90a, link nothing
-    python -m cuda_ffi.build --objects DIR  # keep objects in DIR; reuse those there
+    python -m cuda_ffi.build --objects DIR  # keep the objects in DIR (default: the cache)
 
 Nothing is downloaded: the inputs are the `nvcc` on PATH (or $CUDA_HOME), the
 installed `nvidia-cutlass` wheel ($RLK_CUTLASS_DIR overrides) and jaxlib. The
@@ -277,11 +277,15 @@ def build(jobs: int | None = None, log=print,
   """Builds the library unless the cache already has it (or RLK_CUDA_FFI_LIB
   names a prebuilt one); returns its path.
 
-  `objects`: a directory that keeps the compiled objects and is reused:
-  an object already there is not compiled again, so a build stopped
-  part-way (a time limit) resumes, objects compiled on another machine
-  can be carried in, and a change to one source recompiles only its own
-  objects (each is named by a key of its inputs: _kept_objects)."""
+  `objects`: the directory that keeps the compiled objects and is reused
+  (default: ``objects`` beside the cached libraries): an object already
+  there is not compiled again, so a build stopped part-way (a time limit,
+  Ctrl-C, a preempted job) resumes where it stopped, objects compiled on
+  another machine can be carried in, and a change to one source
+  recompiles only its own objects (each is named by a key of its inputs:
+  _kept_objects). Processes sharing it never write one file (each writes
+  its own partial name and renames it whole) and never link a partial
+  object."""
   if os.environ.get("RLK_CUDA_FFI_LIB"):
     return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
   nvcc, cutlass, ffi = _inputs()
@@ -294,15 +298,16 @@ def build(jobs: int | None = None, log=print,
   with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
     tmp = pathlib.Path(tmp)
     commands = _compile_commands(nvcc, cutlass, ffi, tmp)
-    if objects is not None:
-      objects = pathlib.Path(objects)
-      objects.mkdir(parents=True, exist_ok=True)
-      commands = _kept_objects(commands, nvcc, cutlass, ffi, objects)
+    objects = (pathlib.Path(objects) if objects is not None
+               else final.parent / "objects")
+    objects.mkdir(parents=True, exist_ok=True)
+    commands = _kept_objects(commands, nvcc, cutlass, ffi, objects)
     todo = [c for c in commands if not _output(c).is_file()]
     log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
         f"layouts x {len(kernel_configs())} kernel configs, {len(todo)} of "
         f"{len(commands)} objects to compile, {jobs} jobs; a one-time cost, "
-        f"cached in {final})")
+        f"cached in {final}; objects kept in {objects}, where a stopped "
+        f"build resumes)")
     _run_all(todo, jobs, log)
     objs = sorted(str(_output(c)) for c in commands)
     # cudart linked statically: the library needs only the driver at run time.
@@ -343,7 +348,8 @@ def main(argv=None) -> int:
   parser.add_argument("--jobs", type=int, default=None)
   parser.add_argument("--objects", default=None,
                       help="keep the objects in this directory and reuse "
-                      "those already there (this commit's build only)")
+                      "those already there (default: objects/ in the "
+                      "cache, so a stopped build resumes)")
   args = parser.parse_args(argv)
   try:
     if args.check:

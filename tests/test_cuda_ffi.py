@@ -162,10 +162,12 @@ def _kept(objects, cutlass, ffi, **kw):
       "nvcc", cutlass, ffi, objects)
 
 
+@pytest.mark.parametrize("where", ["default", "given"])
 def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, where):
   # nvcc stands in: it writes its -o file, or part of it and fails for one
-  # object, as a build killed mid-compile would leave it.
+  # object, as a build killed mid-compile would leave it. By default the
+  # objects are kept in the cache, so a plain `build()` resumes too.
   _fake_tools(monkeypatch, tmp_path)
   compiled, linked = [], []
   failing = {"det_gemm_kernels_000_1"}
@@ -185,20 +187,22 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
     return subprocess.CompletedProcess(cmd, rc, "", "nvcc died")
 
   monkeypatch.setattr(build.subprocess, "run", nvcc)
-  objects = tmp_path / "objects"
+  objects = (tmp_path / "cache" / "cuda_ffi" / "objects" if where == "default"
+             else tmp_path / "objects")
+  kept = None if where == "default" else objects
   expected = sorted(str(build._output(c))
                     for c in _kept(objects, tmp_path, tmp_path))
   stems = sorted(pathlib.Path(p).name.split("-")[0] for p in expected)
   assert len(expected) == len(set(expected)) == len(stems)
   assert "det_gemm_api" in stems
-  objects.mkdir()
+  objects.mkdir(parents=True)
   carried = next(pathlib.Path(p) for p in expected
                  if "det_gemm_kernels_111_1-" in p)
   carried.write_bytes(b"from another machine")
   # Another key's object (other sources or tools): not used.
   (objects / "det_gemm_kernels_000_2-0123456789abcdef.o").write_bytes(b"x")
   with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1-"):
-    build.build(jobs=4, log=lambda *_: None, objects=objects)
+    build.build(jobs=4, log=lambda *_: None, objects=kept)
   assert not linked
   assert sorted(compiled) == [s for s in stems if s != "det_gemm_kernels_111_1"]
   assert not list(objects.glob("det_gemm_kernels_000_1-*.o"))
@@ -208,7 +212,7 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   pathlib.Path(second + ".999.partial").write_bytes(b"")
   compiled.clear()
   failing.clear()
-  lib = build.build(jobs=4, log=lambda *_: None, objects=objects)
+  lib = build.build(jobs=4, log=lambda *_: None, objects=kept)
   assert compiled == ["det_gemm_kernels_000_1"]  # resumed: the one missing
   assert linked == [expected]  # every object once, no partial one
   assert lib == tmp_path / "cache" / "cuda_ffi" / "all" / build.LIBRARY_NAME
