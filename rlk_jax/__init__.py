@@ -4,6 +4,7 @@
     x2 = rlk_jax.unpack(packed, info)
     c = rlk_jax.det_gemm(a, b)        # batch-invariant a [..., K] @ b [K, N]
     o = rlk_jax.det_attention(q, k, v, cu_seqlens=cu)  # decode = prefill bits
+    f = rlk_jax.batch_invariant(model_fn)  # its products and norms on rlk
 
 Every op dispatches over an implementations table; see
 :func:`implementations` and :func:`selected_implementation`.
@@ -24,6 +25,7 @@ _EXPORTS = {
     "unpack_sharded": "rlk_jax._pack_sharded",
     "det_gemm": "rlk_jax._det_gemm",
     "det_attention": "rlk_jax._attention",
+    "batch_invariant": "rlk_jax._batch_invariant",
     "linear_logp": "rlk_jax._linear_logp",
     "next_token_targets": "rlk_jax._replay",
     "response_predict_index": "rlk_jax._replay",

@@ -187,3 +187,35 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int, fold_keys: int,
   lse = jnp.where(seen, (m + _elementwise(jnp.log2, l_safe))
                   * jnp.float32(0.6931471805599453), -jnp.inf)
   return out.astype(q.dtype), lse
+
+
+ROW_THREADS = 256  # cuda_ffi/csrc/row_reduce_kernels.cu: threads per row
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+  """The sum over the last axis of each row, in float32, in the order of
+  the cuda_ffi row kernel (``row_reduce_kernels.cu``, what the torch
+  bridge's ``rlk::det_row_sum`` runs on SM90): thread t of 256 adds columns
+  t, t + 256, ... in order; each warp of 32 merges its sums by an xor
+  butterfly; the warps' sums are added in order. Only elementwise
+  additions, each over one row's own values: a row's bits cannot depend on
+  the other rows or their number, on any backend. The zeros that pad a
+  row to a whole number of 256 columns add exactly nothing (the sums start
+  at +0.0). Returns float32 ``x.shape[:-1]``."""
+  x = x.astype(jnp.float32)
+  lead, k = x.shape[:-1], x.shape[-1]
+  if k == 0:
+    return jnp.zeros(lead, jnp.float32)
+  chunks = -(-k // ROW_THREADS)
+  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, chunks * ROW_THREADS - k)])
+  x = jnp.moveaxis(x.reshape(*lead, chunks, ROW_THREADS), -2, 0)
+  per_thread, _ = jax.lax.scan(lambda acc, c: (acc + c, None),
+                               jnp.zeros((*lead, ROW_THREADS), jnp.float32), x)
+  lanes = per_thread.reshape(*lead, ROW_THREADS // 32, 32)
+  for offset in (16, 8, 4, 2, 1):
+    lanes = lanes + lanes[..., [i ^ offset for i in range(32)]]
+  warps = lanes[..., 0]
+  total = warps[..., 0]
+  for w in range(1, ROW_THREADS // 32):
+    total = total + warps[..., w]
+  return total

@@ -1,0 +1,316 @@
+"""``rlk_jax.batch_invariant(fn)``: a transformation that makes an
+unmodified JAX function batch-invariant: a row's results do not depend on
+which other rows share its batch.
+
+Why a jaxpr interpreter: the ops that break batch invariance are XLA's
+products and reductions, whose summation order XLA may choose per shape
+(on the H100 every row of a dot differed at m <= 256; on CPU a tiny Llama's
+row differs alone and in a batch of 16). A custom lowering rule would
+change every program of the process; an interpreter changes only the
+function it wraps, composes like ``jax.checkpoint`` or ``jax.vmap`` do
+(it runs at trace time, inside ``jit``, ``grad``, ``vmap``), and can say
+what it left alone.
+
+``batch_invariant(fn)(*args)`` traces ``fn`` to a jaxpr for these
+arguments and evaluates it equation by equation:
+
+- ``dot_general`` (any batch and contracting dimensions: einsum, matmul,
+  attention's products; bf16, f16, f32 operands) runs on
+  ``rlk_jax.det_gemm``: free dims of the left operand are its rows, of the
+  right one its columns, batch dims a ``vmap``. Every output element sums
+  its own products in K order, so its bits depend on its own row and
+  column only.
+- ``reduce_sum`` over the last axis of a float array (what ``mean``,
+  ``var`` and an RMSNorm reduce; a softmax's normaliser) runs on
+  ``reference.row_sum``: the cuda_ffi row kernel's order, elementwise adds
+  over each row's own values, accumulated in f32.
+- Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond`` and
+  ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
+  through the public API with the same settings). A ``custom_jvp``
+  function whose body needs rewriting is evaluated inline: its derivative
+  is then the rewritten body's (its own rule is set aside, and the report
+  says so); one with nothing to rewrite is left whole.
+- Everything else is bound unchanged. What it cannot make invariant (an
+  integer product, a sum over other axes, a ``custom_vjp`` function or a
+  ``shard_map`` body with products inside) is left alone and listed by
+  ``report``.
+
+Gradients: applied inside ``grad`` (``jax.grad(batch_invariant(f))``) the
+products differentiate through det_gemm's own backward (dA rows
+invariant), but reductions autodiff adds (the transposes of broadcasts)
+are XLA's; applied outside (``batch_invariant(jax.grad(f))``) the backward
+is part of the jaxpr and every product and last-axis sum in it is
+rewritten too.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from rlk_jax import reference
+from rlk_jax._det_gemm import GEMM_DTYPES, det_gemm
+
+__all__ = ["batch_invariant"]
+
+
+def batch_invariant(fn, *, implementation: str | None = None):
+  """``fn`` with its products on det_gemm and its last-axis sums on rlk's
+  row sum (module docstring). `implementation` pins det_gemm's (pin one
+  in both rollout and training). The result has ``.report(*args,
+  **kwargs)``: what this transformation left alone for those arguments,
+  as ``{description: count}``."""
+  rules = _Rules(implementation)
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args,
+                                                              **kwargs)
+    flat = jax.tree_util.tree_leaves((args, kwargs))
+    out = rules.eval(closed.jaxpr, closed.consts, flat)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(out_shape), out)
+
+  def report(*args, **kwargs) -> dict[str, int]:
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    left: collections.Counter = collections.Counter()
+    _survey(closed.jaxpr, left)
+    return dict(left)
+
+  wrapped.report = report
+  return wrapped
+
+
+# ---------------------------------------------------------------------------
+# What to rewrite
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _dot_takes(eqn) -> str | None:
+  """Why det_gemm cannot take this dot_general (None: it can)."""
+  lhs, rhs = (v.aval for v in eqn.invars)
+  out = eqn.outvars[0].aval
+  for x in (lhs, rhs, out):
+    if jnp.dtype(x.dtype) not in GEMM_DTYPES:
+      return f"dot_general of {lhs.dtype} x {rhs.dtype} -> {out.dtype}"
+  return None
+
+
+def _sum_takes(eqn) -> str | None:
+  x = eqn.invars[0].aval
+  axes = tuple(eqn.params["axes"])
+  if not _is_float(x):
+    return None  # integer sums are exact: any order gives the same bits
+  if axes == (x.ndim - 1,):
+    return None
+  return f"reduce_sum over axes {axes} of a rank-{x.ndim} array"
+
+
+def _subjaxprs(eqn):
+  """The jaxprs (open) inside a higher-order equation."""
+  out = []
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, jex.ClosedJaxpr):
+        out.append(v.jaxpr)
+      elif isinstance(v, jex.Jaxpr):
+        out.append(v)
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _needs_rewrite_cached(jaxpr_id, jaxpr):
+  del jaxpr_id
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general" and _dot_takes(eqn) is None:
+      return True
+    if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
+        and _sum_takes(eqn) is None):
+      return True
+    if any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
+      return True
+  return False
+
+
+def _needs_rewrite(jaxpr) -> bool:
+  """Whether anything in `jaxpr` (or below it) is rewritten."""
+  return _needs_rewrite_cached(id(jaxpr), jaxpr)
+
+
+def _survey(jaxpr, left) -> None:
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    reason = None
+    if name == "dot_general":
+      reason = _dot_takes(eqn)
+    elif name == "reduce_sum":
+      reason = _sum_takes(eqn)
+    elif name in _LEFT_WHOLE and any(_needs_rewrite(j)
+                                    for j in _subjaxprs(eqn)):
+      reason = (f"{name}: its body has products or sums, left as they are "
+                f"({_LEFT_WHOLE[name]})")
+    elif name in _INLINED and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
+      left[f"{name}: evaluated inline, its own derivative rule set aside"] += 1
+    if reason:
+      left[reason] += 1
+    for j in _subjaxprs(eqn):
+      _survey(j, left)
+
+
+# Higher-order primitives bound whole, with why (their bodies are not
+# rebuilt: a custom_vjp's backward is the user's; shard_map's body would
+# need its specs rebuilt).
+_LEFT_WHOLE = {
+    "custom_vjp_call": "its forward and backward are the function's own",
+    "custom_vjp_call_jaxpr": "its forward and backward are the function's own",
+    "shard_map": "apply batch_invariant inside the shard_map'd function",
+}
+_INLINED = ("custom_jvp_call",)
+
+
+# ---------------------------------------------------------------------------
+# The interpreter
+
+class _Rules:
+
+  def __init__(self, implementation):
+    self.implementation = implementation
+
+  def eval(self, jaxpr, consts, args):
+    env = {}
+
+    def read(v):
+      return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+      env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+      env[var] = val
+    for eqn in jaxpr.eqns:
+      invals = [read(v) for v in eqn.invars]
+      outvals = self._equation(eqn, invals)
+      if not eqn.primitive.multiple_results:
+        outvals = [outvals]
+      for var, val in zip(eqn.outvars, outvals):
+        env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+  def _closed(self, closed, args):
+    return self.eval(closed.jaxpr, closed.consts, args)
+
+  def _equation(self, eqn, invals):
+    name = eqn.primitive.name
+    if name == "dot_general" and _dot_takes(eqn) is None:
+      return self._dot(eqn, *invals)
+    if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
+        and _sum_takes(eqn) is None):
+      x = invals[0]
+      return reference.row_sum(x).astype(eqn.outvars[0].aval.dtype)
+    rule = _HIGHER_ORDER.get(name)
+    if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
+      return rule(self, eqn, invals)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # JAX before 0.7: (subfuns, params)
+      subfuns, params = params
+    with eqn.ctx.manager:
+      return eqn.primitive.bind(*subfuns, *invals, **params)
+
+  def _dot(self, eqn, lhs, rhs):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    out_dtype = eqn.outvars[0].aval.dtype
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
+    lf = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    # [batch..., rows..., K] and [batch..., K, columns...], flattened.
+    a = jnp.transpose(lhs, (*lb, *lf, *lc))
+    b = jnp.transpose(rhs, (*rb, *rc, *rf))
+    batch = a.shape[:len(lb)]
+    rows = a.shape[len(lb):len(lb) + len(lf)]
+    cols = b.shape[len(rb) + len(rc):]
+    k = int(np.prod(a.shape[len(lb) + len(lf):], dtype=np.int64))
+    nb = int(np.prod(batch, dtype=np.int64))
+    m = int(np.prod(rows, dtype=np.int64))
+    n = int(np.prod(cols, dtype=np.int64))
+    a = a.reshape(nb, m, k)
+    b = b.reshape(nb, k, n)
+    if 0 in (nb, m, n):
+      return jnp.zeros((*batch, *rows, *cols), out_dtype)
+    if k == 0:  # an empty sum is +0.0
+      return jnp.zeros((*batch, *rows, *cols), out_dtype)
+    product = functools.partial(det_gemm, out_dtype=out_dtype,
+                                implementation=self.implementation)
+    c = product(a[0], b[0])[None] if nb == 1 else jax.vmap(product)(a, b)
+    return c.reshape(*batch, *rows, *cols)
+
+  # Higher-order primitives whose bodies have something to rewrite: rebuilt
+  # through the public API with the equation's own settings.
+
+  def _inline(self, eqn, invals):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(closed, jex.Jaxpr):
+      return self.eval(closed, (), invals)
+    return self._closed(closed, invals)
+
+  def _checkpoint(self, eqn, invals):
+    body = eqn.params["jaxpr"]
+    f = jax.checkpoint(lambda *a: self.eval(body, (), a),
+                       prevent_cse=eqn.params["prevent_cse"],
+                       policy=eqn.params.get("policy"))
+    return f(*invals)
+
+  def _scan(self, eqn, invals):
+    p = eqn.params
+    body = p["jaxpr"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = invals[:n_consts]
+    carry = list(invals[n_consts:n_consts + n_carry])
+    xs = list(invals[n_consts + n_carry:])
+
+    def step(c, x):
+      out = self._closed(body, [*consts, *c, *x])
+      return out[:n_carry], out[n_carry:]
+
+    carry, ys = jax.lax.scan(step, carry, xs, length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+  def _while(self, eqn, invals):
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = invals[:nc], invals[nc:nc + nb]
+    init = list(invals[nc + nb:])
+    cond = lambda c: self._closed(p["cond_jaxpr"], [*cond_consts, *c])[0]
+    body = lambda c: self._closed(p["body_jaxpr"], [*body_consts, *c])
+    return jax.lax.while_loop(cond, body, init)
+
+  def _cond(self, eqn, invals):
+    index, *operands = invals
+    branches = [functools.partial(
+        lambda br, *ops: self._closed(br, ops), br)
+                for br in eqn.params["branches"]]
+    return jax.lax.switch(index, branches, *operands)
+
+
+_HIGHER_ORDER = {
+    "pjit": _Rules._inline,
+    "jit": _Rules._inline,
+    "closed_call": _Rules._inline,
+    "core_call": _Rules._inline,
+    "custom_jvp_call": _Rules._inline,
+    "checkpoint": _Rules._checkpoint,
+    "remat": _Rules._checkpoint,
+    "remat2": _Rules._checkpoint,
+    "scan": _Rules._scan,
+    "while": _Rules._while,
+    "cond": _Rules._cond,
+}

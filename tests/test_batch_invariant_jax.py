@@ -1,0 +1,259 @@
+"""rlk_jax.batch_invariant: an unmodified JAX function's products and
+last-axis sums rewritten onto rlk's row-invariant ops (CPU: det_gemm's
+K-loop reference and the row kernel's order in jnp)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_jax
+from rlk_jax import reference
+
+D, HEADS, FF, VOCAB = 32, 4, 48, 61
+
+
+def _params(key):
+  ks = jax.random.split(key, 7)
+  normal = lambda k, shape, scale: jax.random.normal(k, shape) * scale
+  return {
+      "embed": normal(ks[0], (VOCAB, D), 1.0),
+      "qkv": normal(ks[1], (D, 3 * D), D ** -0.5),
+      "o": normal(ks[2], (D, D), D ** -0.5),
+      "up": normal(ks[3], (D, FF), D ** -0.5),
+      "down": normal(ks[4], (FF, D), FF ** -0.5),
+      "norm": 1.0 + normal(ks[5], (D,), 0.1),
+      "head": normal(ks[6], (D, VOCAB), D ** -0.5),
+  }
+
+
+def _rms_norm(x, scale):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+
+def _decoder(params, tokens):
+  """A one-layer causal decoder written the plain way (einsum attention,
+  softmax, RMSNorm, a jitted MLP): logits [B, S, V]."""
+  x = params["embed"][tokens]
+  b, s, _ = x.shape
+  h = _rms_norm(x, params["norm"])
+  q, k, v = jnp.split(h @ params["qkv"], 3, axis=-1)
+  split = lambda t: t.reshape(b, s, HEADS, D // HEADS)
+  q, k, v = split(q), split(k), split(v)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  p = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+  att = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, D)
+  x = x + att @ params["o"]
+  mlp = jax.jit(lambda t: jax.nn.silu(t @ params["up"]) @ params["down"])
+  x = x + mlp(_rms_norm(x, params["norm"]))
+  return _rms_norm(x, params["norm"]) @ params["head"]
+
+
+def _decoder_float64(params, tokens):
+  """_decoder in NumPy float64: the accuracy reference."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  norm = lambda x: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * p[
+      "norm"]
+  x = p["embed"][tokens]
+  b, s, _ = x.shape
+  q, k, v = np.split(norm(x) @ p["qkv"], 3, axis=-1)
+  split = lambda t: t.reshape(b, s, HEADS, D // HEADS)
+  scores = np.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / np.sqrt(
+      D // HEADS)
+  scores = np.where(np.tril(np.ones((s, s), bool)), scores, -1e9)
+  e = np.exp(scores - scores.max(-1, keepdims=True))
+  att = np.einsum("bhqk,bkhd->bqhd", e / e.sum(-1, keepdims=True), split(v))
+  x = x + att.reshape(b, s, D) @ p["o"]
+  u = norm(x) @ p["up"]
+  x = x + (u / (1 + np.exp(-u))) @ p["down"]
+  return norm(x) @ p["head"]
+
+
+def _ops(fn, *args):
+  """The primitive names of fn's jaxpr, nested jaxprs included."""
+  names = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      names.append((eqn.primitive.name, eqn))
+      for value in eqn.params.values():
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+          if hasattr(v, "eqns"):
+            walk(v)
+          elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+            walk(v.jaxpr)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+def _last_axis_sums(fn, *args):
+  return [e for name, e in _ops(fn, *args) if name == "reduce_sum"
+          and tuple(e.params["axes"]) == (e.invars[0].aval.ndim - 1,)]
+
+
+@pytest.fixture
+def params():
+  return _params(jax.random.PRNGKey(0))
+
+
+def _tokens(seed, b, s):
+  return jax.random.randint(jax.random.PRNGKey(seed), (b, s), 0, VOCAB)
+
+
+def test_rows_alone_equal_their_batch_and_float64(params):
+  tokens = _tokens(1, 7, 11)  # ragged: 7 rows of 11 tokens
+  model = jax.jit(rlk_jax.batch_invariant(_decoder))
+  batch = np.asarray(model(params, tokens))
+  for lo, hi in ((0, 1), (3, 4), (6, 7), (2, 5)):
+    alone = np.asarray(model(params, tokens[lo:hi]))
+    np.testing.assert_array_equal(alone.view(np.uint32),
+                                  batch[lo:hi].view(np.uint32))
+  want = _decoder_float64(params, np.asarray(tokens))
+  err = np.linalg.norm(batch - want) / np.linalg.norm(want)
+  assert err < 1e-5, err
+
+
+def test_every_product_and_last_axis_sum_is_rewritten(params):
+  tokens = _tokens(2, 3, 5)
+  plain = [n for n, _ in _ops(_decoder, params, tokens)]
+  assert plain.count("dot_general") == 7  # qkv, scores, p v, o, up, down, head
+  assert len(_last_axis_sums(_decoder, params, tokens)) == 4  # 3 norms, softmax
+  model = rlk_jax.batch_invariant(_decoder)
+  # On CPU det_gemm is its K loop of multiply-adds: no dot is left at all.
+  assert "dot_general" not in [n for n, _ in _ops(model, params, tokens)]
+  assert not _last_axis_sums(model, params, tokens)
+  assert model.report(params, tokens) == {}
+
+
+def test_mixed_precision_and_batch_dims_follow_dot_general(params):
+  # bf16 operands with an f32 result, two batch dims and contracting
+  # dims on either side: the same values as XLA's dot, up to rounding.
+  key = jax.random.split(jax.random.PRNGKey(3), 2)
+  a = jax.random.normal(key[0], (2, 5, 3, 16)).astype(jnp.bfloat16)
+  b = jax.random.normal(key[1], (3, 16, 2, 7)).astype(jnp.bfloat16)
+
+  def f(a, b):
+    return jax.lax.dot_general(a, b, (((3,), (1,)), ((0, 2), (2, 0))),
+                               preferred_element_type=jnp.float32)
+  got = rlk_jax.batch_invariant(f)(a, b)
+  want = f(a.astype(jnp.float32), b.astype(jnp.float32))
+  assert got.dtype == jnp.float32 and got.shape == want.shape == (2, 3, 5, 7)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_composes_with_scan_while_cond_checkpoint_and_vmap(params):
+  w = params["o"]
+
+  def f(x):
+    def body(c, _):
+      return jnp.tanh(c @ w), jnp.mean(c, -1)
+    c, means = jax.lax.scan(body, x, None, length=3)
+    c = jax.checkpoint(lambda t: _rms_norm(t @ w, 1.0))(c)
+    c, _ = jax.lax.while_loop(lambda v: v[1] < 2,
+                              lambda v: (jnp.tanh(v[0] @ w), v[1] + 1), (c, 0))
+    c = jax.lax.cond(c[0, 0] > 0, lambda t: t @ w, lambda t: -t, c)
+    return c, means
+
+  x = jax.random.normal(jax.random.PRNGKey(4), (5, D))
+  g = jax.jit(rlk_jax.batch_invariant(f))
+  got, means = g(x)
+  want, want_means = f(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(means), np.asarray(want_means),
+                             rtol=1e-5, atol=1e-6)
+  assert not [n for n, _ in _ops(rlk_jax.batch_invariant(f), x)
+              if n == "dot_general"]
+  # vmap over the transformed function: each mapped row = it alone.
+  rows = jax.jit(jax.vmap(rlk_jax.batch_invariant(lambda r: f(r[None])[0])))(x)
+  for i in (0, 3):
+    alone = g(x[i:i + 1])[0]
+    np.testing.assert_array_equal(np.asarray(rows[i]), np.asarray(alone))
+
+
+def test_gradients_outside_and_inside(params):
+  tokens = _tokens(5, 6, 9)
+
+  def loss(p, t):
+    logits = _decoder(p, t)
+    return jnp.sum(jax.nn.log_softmax(logits)[..., 0])
+
+  # Outside grad: the backward's products and sums are rewritten too. A
+  # sequence's input-side gradient (its embedding rows) alone = in the
+  # batch; the weight gradient is the same run to run.
+  grad = jax.jit(rlk_jax.batch_invariant(jax.grad(loss)))
+  assert not [n for n, _ in _ops(rlk_jax.batch_invariant(jax.grad(loss)),
+                                 params, tokens) if n == "dot_general"]
+  g_batch = grad(params, tokens)
+  g_again = grad(params, tokens)
+  for name in params:
+    np.testing.assert_array_equal(np.asarray(g_batch[name]),
+                                  np.asarray(g_again[name]))
+  want = jax.grad(loss)(params, tokens)
+  for name in params:
+    err = (np.linalg.norm(np.asarray(g_batch[name] - want[name]))
+           / np.linalg.norm(np.asarray(want[name])))
+    assert err < 1e-4, (name, err)
+  # Inside grad: det_gemm's own backward runs the products.
+  inside = jax.jit(jax.grad(rlk_jax.batch_invariant(loss)))(params, tokens)
+  for name in params:
+    err = (np.linalg.norm(np.asarray(inside[name] - want[name]))
+           / np.linalg.norm(np.asarray(want[name])))
+    assert err < 1e-4, (name, err)
+
+
+def test_row_gradient_alone_equals_its_batch(params):
+  # The per-sequence input gradient (through the embeddings' output: the
+  # hidden rows) of a sequence alone and in the batch.
+  tokens = _tokens(6, 5, 7)
+
+  def per_row_loss(x):
+    h = _rms_norm(x, params["norm"])
+    return jnp.sum(jnp.tanh(h @ params["up"]) @ params["down"])
+
+  grad = jax.jit(rlk_jax.batch_invariant(jax.grad(per_row_loss)))
+  x = params["embed"][tokens]
+  batch = np.asarray(grad(x))
+  for i in (0, 2, 4):
+    np.testing.assert_array_equal(np.asarray(grad(x[i:i + 1]))[0], batch[i])
+
+
+def test_report_names_what_it_left():
+  @jax.custom_vjp
+  def custom(a, b):
+    return a @ b
+  custom.defvjp(lambda a, b: (a @ b, (a, b)),
+                lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+  def f(x, w, n):
+    return (custom(x, w), n @ n, jnp.sum(x, axis=0), jnp.sum(x @ w, -1))
+  x = jnp.ones((3, 4))
+  w = jnp.ones((4, 2))
+  n = jnp.ones((2, 2), jnp.int32)
+  left = rlk_jax.batch_invariant(f).report(x, w, n)
+  assert left == {
+      "custom_vjp_call: its body has products or sums, left as they are "
+      "(its forward and backward are the function's own)": 1,
+      "dot_general of int32 x int32 -> int32": 1,
+      "reduce_sum over axes (0,) of a rank-2 array": 1,
+  }, left
+  out = rlk_jax.batch_invariant(f)(x, w, n)
+  for got, want in zip(out, f(x, w, n)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("k", [1, 255, 256, 1000, 4096])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_row_sum_rows_alone_equal_batch_and_float64(k, dtype):
+  x = (jax.random.normal(jax.random.PRNGKey(k), (9, k)) * 3).astype(dtype)
+  s = np.asarray(jax.jit(reference.row_sum)(x))
+  for i in (0, 4, 8):
+    alone = np.asarray(jax.jit(reference.row_sum)(x[i:i + 1]))
+    np.testing.assert_array_equal(alone.view(np.uint32),
+                                  s[i:i + 1].view(np.uint32))
+  want = np.asarray(x, np.float64).sum(-1)
+  np.testing.assert_allclose(s, want, rtol=1e-5, atol=1e-4)
