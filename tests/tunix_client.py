@@ -1,0 +1,37 @@
+"""Tunix's model modules as test clients, built from configs in code with
+random weights (nothing downloaded).
+
+`import tunix` runs its package ``__init__``, which imports its trainers
+and their dependencies (metrax, tensorflow_datasets, ...). A model module
+needs only flax, jaxtyping and three small modules of the package, so the
+packages above it are entered here without their ``__init__``: the model
+code that runs is Tunix's own, unchanged."""
+
+import importlib
+import importlib.util
+import sys
+import types
+
+import pytest
+
+
+def model_module(family: str = "llama3"):
+  """``tunix.models.<family>.model`` (skips the test where Tunix or flax is
+  not installed: the test extra installs both)."""
+  pytest.importorskip("flax")
+  pytest.importorskip("jaxtyping")
+  if "tunix" in sys.modules:
+    root = list(sys.modules["tunix"].__path__)[0]
+  else:
+    spec = importlib.util.find_spec("tunix")
+    if spec is None:
+      pytest.skip("google-tunix is not installed (scripts/setup_env.sh "
+                  "installs it)")
+    root = spec.submodule_search_locations[0]
+  for name in ("tunix", "tunix.models", f"tunix.models.{family}",
+               "tunix.generate", "tunix.utils"):
+    if name not in sys.modules:
+      package = types.ModuleType(name)
+      package.__path__ = [root + name.removeprefix("tunix").replace(".", "/")]
+      sys.modules[name] = package
+  return importlib.import_module(f"tunix.models.{family}.model")
