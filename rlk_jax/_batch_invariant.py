@@ -104,6 +104,8 @@ def _dot_takes(eqn) -> str | None:
 
 
 def _sum_takes(eqn) -> str | None:
+  """Why a float reduce_sum is left to XLA (None: it is rewritten, or it
+  is an integer sum, exact in any order)."""
   x = eqn.invars[0].aval
   axes = tuple(eqn.params["axes"])
   if not _is_float(x):
@@ -125,24 +127,21 @@ def _subjaxprs(eqn):
   return out
 
 
-@functools.lru_cache(maxsize=None)
-def _needs_rewrite_cached(jaxpr_id, jaxpr):
-  del jaxpr_id
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "dot_general" and _dot_takes(eqn) is None:
-      return True
-    if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
-        and _sum_takes(eqn) is None):
-      return True
-    if any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
-      return True
-  return False
+def _rewritten(eqn) -> str | None:
+  """Which rule rewrites this equation itself ("dot", "row_sum"), if any."""
+  name = eqn.primitive.name
+  if name == "dot_general" and _dot_takes(eqn) is None:
+    return "dot"
+  if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
+      and _sum_takes(eqn) is None):
+    return "row_sum"
+  return None
 
 
 def _needs_rewrite(jaxpr) -> bool:
   """Whether anything in `jaxpr` (or below it) is rewritten."""
-  return _needs_rewrite_cached(id(jaxpr), jaxpr)
+  return any(_rewritten(eqn) or any(_needs_rewrite(j) for j in _subjaxprs(eqn))
+             for eqn in jaxpr.eqns)
 
 
 def _survey(jaxpr, left) -> None:
@@ -207,14 +206,12 @@ class _Rules:
     return self.eval(closed.jaxpr, closed.consts, args)
 
   def _equation(self, eqn, invals):
-    name = eqn.primitive.name
-    if name == "dot_general" and _dot_takes(eqn) is None:
+    rewrite = _rewritten(eqn)
+    if rewrite == "dot":
       return self._dot(eqn, *invals)
-    if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
-        and _sum_takes(eqn) is None):
-      x = invals[0]
-      return reference.row_sum(x).astype(eqn.outvars[0].aval.dtype)
-    rule = _HIGHER_ORDER.get(name)
+    if rewrite == "row_sum":
+      return reference.row_sum(invals[0]).astype(eqn.outvars[0].aval.dtype)
+    rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)
     params = eqn.primitive.get_bind_params(eqn.params)
