@@ -383,3 +383,22 @@ def test_in_situ_trials_keep_every_calls_bits(tmp_path, monkeypatch):
   want = a.double() @ w.double().T
   assert relative_error(first[0].double(), want) < 1e-2
   forget()
+
+
+@pytest.mark.parametrize("k", [1, 300, 2048, 11008])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jax_row_sum_is_the_torch_row_kernels_bits(k, dtype):
+  # rlk_jax.reference.row_sum (what batch_invariant runs for a last-axis
+  # sum) walks the cuda_ffi row kernel's order in jnp ops: jitted JAX on
+  # the GPU = rlk::det_row_sum's f32 sums, bit for bit.
+  import jax
+  import numpy as np
+  from rlk_jax import reference
+  from rlk_torch_bridge._row_mean_op import det_row_sum
+  x = (torch.randn(37, k, device="cuda") * 3).to(dtype)
+  want = det_row_sum(x.float())  # f32 rows: the kernel's own f32 sums
+  got = jax.jit(reference.row_sum)(jax.numpy.asarray(
+      x.float().cpu().numpy()).astype(
+          jax.numpy.bfloat16 if dtype == torch.bfloat16 else jax.numpy.float32))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                want.cpu().numpy().view(np.uint32))
