@@ -100,21 +100,16 @@ def product(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
     return _PLANS[key]
   if torch.cuda.is_current_stream_capturing():
     return None  # configs are chosen by measurement, outside a capture
-  plan = _PENDING.get(key)
-  if plan is None:
-    plan = _plan(a, b, transpose_b, out_dtype, implementation)
-    if plan is None or plan.settled():
-      if len(_PLANS) > 4096:
-        _PLANS.clear()
-      run = _PLANS[key] = None if plan is None else plan.fixed()
-      return run
-    if len(_PENDING) > 4096:
-      _PENDING.clear()
-    _PENDING[key] = plan
-  if plan.settled():
-    run = _PLANS[key] = plan.fixed()
-    del _PENDING[key]
+  plan = _PENDING.pop(key, None) or _plan(a, b, transpose_b, out_dtype,
+                                          implementation)
+  if plan is None or plan.settled():
+    if len(_PLANS) > 4096:
+      _PLANS.clear()
+    run = _PLANS[key] = None if plan is None else plan.fixed()
     return run
+  if len(_PENDING) > 4096:
+    _PENDING.clear()
+  _PENDING[key] = plan
   if _library.needs_grad(a, b):
     return None
   return plan.forward_run
@@ -181,12 +176,11 @@ class _Plan:
     one: ``choose_config`` reads what they kept)."""
     import cuda_ffi
     from rlk_jax import _gemm_tuning
-    codes = [cuda_ffi.CONFIGS[_gemm_tuning.choose_config(
-        pm, pn, pk, transpose_a=ta, transpose_b=tb, out_f32=f32)]
-             for pm, pn, pk, ta, tb, f32 in self.products]
-    if self.linear:
-      torch.ops.rlk.remember_linear(*self.shape, self.dtype,
-                                    self.device_index, codes[0])
+    configs = [_gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
+                                          transpose_b=tb, out_f32=f32)
+               for pm, pn, pk, ta, tb, f32 in self.products]
+    self._remember(configs[0])
+    codes = [cuda_ffi.CONFIGS[c] for c in configs]
     op = torch.ops.rlk.det_mm_sm90.default
     transpose_b, out_dtype = self.transpose_b, self.out_dtype
     return lambda a, b: op(a, b, transpose_b, out_dtype, *codes)
