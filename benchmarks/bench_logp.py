@@ -10,7 +10,9 @@ hidden and W). Memory: for JAX the temporaries XLA plans for the compiled
 call (``memory_analysis``, inputs and outputs excluded); for torch the peak
 allocated beyond the inputs. The end-to-end rows pack a padded batch at a
 given density and run linear_logp on the packed rows, against dense logp on
-the padded batch.
+the padded batch. On a GPU with torch, ``logp_torch_peers`` adds the torch
+route against Liger's and verl's fused kernels, dense and compiled torch,
+each against the measured product floor, with its invariance count.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from absl import app
 
 import rlk_jax
-from benchmarks import harness
+from benchmarks import harness, logp_torch_peers
 from benchmarks.harness import Row
 
 BENCH = "logp"
@@ -32,9 +34,12 @@ BENCH = "logp"
 def _config(smoke: bool) -> dict:
   if smoke:
     return dict(n=256, h=128, vocabs=(1000, 4096), e2e=(4, 64, 1000),
-                densities=(0.25, 1.0))
+                densities=(0.25, 1.0), torch_peers=((256, 128, 1024),))
   return dict(n=16384, h=4096, vocabs=(32768, 131072, 151936),
-              e2e=(16, 1024, 32768), densities=(0.05, 0.25, 0.5, 1.0))
+              e2e=(16, 1024, 32768), densities=(0.05, 0.25, 0.5, 1.0),
+              # (N, H, V): the issue's grid corners and middle.
+              torch_peers=((4096, 2048, 32768), (16384, 4096, 151936),
+                           (65536, 8192, 262144)))
 
 
 def dense_logp(hidden, weight, targets):
@@ -185,7 +190,8 @@ def _e2e_rows(cfg, smoke) -> list[Row]:
 
 def run(smoke: bool) -> list[Row]:
   cfg = _config(smoke)
-  return _vocab_rows(cfg, smoke) + _e2e_rows(cfg, smoke)
+  return (_vocab_rows(cfg, smoke) + _e2e_rows(cfg, smoke)
+          + logp_torch_peers.rows(cfg["torch_peers"]))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ arguments and evaluates it equation by equation:
 - ``dot_general`` (any batch and contracting dimensions: einsum, matmul,
   attention's products; bf16, f16, f32 operands) runs on
   ``rlk_jax.det_gemm``: free dims of the left operand are its rows, of the
-  right one its columns, batch dims a ``vmap``. Every output element sums
+  right one its columns, batch dims one product each (``lax.map``). Every output element sums
   its own products in K order, so its bits depend on its own row and
   column only.
 - ``reduce_sum`` over the last axis of a float array (what ``mean``,
@@ -115,6 +115,26 @@ def _sum_takes(eqn) -> str | None:
   return f"reduce_sum over axes {axes} of a rank-{x.ndim} array"
 
 
+def _scatter_takes(eqn) -> str | None:
+  """Why a float scatter-add (an embedding's backward, say) is left to XLA,
+  whose GPU scatter adds with atomics in whatever order they land (None: it
+  is rewritten, or it is an integer one, exact in any order)."""
+  operand, indices, updates = (v.aval for v in eqn.invars)
+  if not _is_float(operand):
+    return None
+  d = eqn.params["dimension_numbers"]
+  rows_of_operand = (
+      d.inserted_window_dims == (0,) and d.scatter_dims_to_operand_dims == (0,)
+      and not d.operand_batching_dims and not d.scatter_indices_batching_dims
+      and indices.shape[-1:] == (1,)
+      and d.update_window_dims == tuple(range(indices.ndim - 1, updates.ndim))
+      and updates.shape[indices.ndim - 1:] == operand.shape[1:])
+  if rows_of_operand:
+    return None
+  return (f"scatter-add into {operand.shape} other than whole rows by one "
+          f"index ({d})")
+
+
 def _subjaxprs(eqn):
   """The jaxprs (open) inside a higher-order equation."""
   out = []
@@ -135,6 +155,9 @@ def _rewritten(eqn) -> str | None:
   if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
       and _sum_takes(eqn) is None):
     return "row_sum"
+  if (name == "scatter-add" and _is_float(eqn.invars[0].aval)
+      and _scatter_takes(eqn) is None):
+    return "scatter_add"
   return None
 
 
@@ -152,6 +175,8 @@ def _survey(jaxpr, left) -> None:
       reason = _dot_takes(eqn)
     elif name == "reduce_sum":
       reason = _sum_takes(eqn)
+    elif name == "scatter-add":
+      reason = _scatter_takes(eqn)
     elif name in _LEFT_WHOLE and any(_needs_rewrite(j)
                                     for j in _subjaxprs(eqn)):
       reason = (f"{name}: its body has products or sums, left as they are "
@@ -211,6 +236,8 @@ class _Rules:
       return self._dot(eqn, *invals)
     if rewrite == "row_sum":
       return reference.row_sum(invals[0]).astype(eqn.outvars[0].aval.dtype)
+    if rewrite == "scatter_add":
+      return _ordered_row_scatter_add(*invals, mode=eqn.params["mode"])
     rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)
@@ -246,7 +273,11 @@ class _Rules:
       return jnp.zeros((*batch, *rows, *cols), out_dtype)
     product = functools.partial(det_gemm, out_dtype=out_dtype,
                                 implementation=self.implementation)
-    c = product(a[0], b[0])[None] if nb == 1 else jax.vmap(product)(a, b)
+    # Batch dims one 2-D product at a time (lax.map, not vmap: jax-triton's
+    # call, det_gemm's route for f32 on a GPU, has no batching rule). Each
+    # batch element is its own product either way: the same bits.
+    c = (product(a[0], b[0])[None] if nb == 1
+         else jax.lax.map(lambda ab: product(*ab), (a, b)))
     return c.reshape(*batch, *rows, *cols)
 
   # Higher-order primitives whose bodies have something to rewrite: rebuilt
@@ -266,20 +297,26 @@ class _Rules:
     return f(*invals)
 
   def _scan(self, eqn, invals):
-    p = eqn.params
-    body = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts = invals[:n_consts]
-    carry = list(invals[n_consts:n_consts + n_carry])
-    xs = list(invals[n_consts + n_carry:])
+    # The scan rebound with its body rewritten and every other parameter as
+    # it was: how its operands split into consts, carry and xs is the
+    # primitive's own business (JAX 0.11 replaced num_consts/num_carry by
+    # other parameters), and the body keeps its signature.
+    params = dict(eqn.params)
+    params["jaxpr"] = self._rewritten_body(params["jaxpr"])
+    with eqn.ctx.manager:
+      return eqn.primitive.bind(*invals, **params)
 
-    def step(c, x):
-      out = self._closed(body, [*consts, *c, *x])
-      return out[:n_carry], out[n_carry:]
+  def _rewritten_body(self, closed):
+    """`closed` (a ClosedJaxpr) with its products and sums rewritten: the
+    same input and output types."""
+    out_avals = [v.aval for v in closed.jaxpr.outvars]
 
-    carry, ys = jax.lax.scan(step, carry, xs, length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]
+    def body(*args):
+      outs = self._closed(closed, args)
+      return [jax.lax.convert_element_type(o, a.dtype)
+              for o, a in zip(outs, out_avals)]
+
+    return jax.make_jaxpr(body)(*(v.aval for v in closed.jaxpr.invars))
 
   def _while(self, eqn, invals):
     p = eqn.params
@@ -296,6 +333,39 @@ class _Rules:
         lambda br, *ops: self._closed(br, ops), br)
                 for br in eqn.params["branches"]]
     return jax.lax.switch(index, branches, *operands)
+
+
+def _ordered_row_scatter_add(operand, indices, updates, *, mode):
+  """``operand.at[indices].add(updates)`` on whole rows, with no atomics:
+  the updates are stably sorted by row, each row's run is summed by a
+  segmented scan (a fixed tree for a given number of updates) and read back
+  by a gather. Run to run the same bits; an id outside [0, V) adds nothing
+  (a scatter's FILL_OR_DROP; PROMISE_IN_BOUNDS leaves it undefined anyway),
+  except under CLIP, where it adds to the nearest row as XLA's would."""
+  v = operand.shape[0]
+  ids = indices.reshape(-1).astype(jnp.int32)
+  rows = updates.reshape(ids.shape[0], -1).astype(operand.dtype)
+  if ids.shape[0] == 0:
+    return operand
+  if mode == jax.lax.GatherScatterMode.CLIP:
+    ids = jnp.clip(ids, 0, v - 1)
+  ids = jnp.where((ids >= 0) & (ids < v), ids, v)  # v: dropped
+  order = jnp.argsort(ids, stable=True)
+  ids, rows = ids[order], rows[order]
+  starts = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
+
+  def combine(a, b):
+    (a_start, a_sum), (b_start, b_sum) = a, b
+    return a_start | b_start, jnp.where(b_start[:, None], b_sum, a_sum + b_sum)
+
+  _, runs = jax.lax.associative_scan(combine, (starts, rows))
+  # Each row's run ends at the last position with its id.
+  last = jnp.searchsorted(ids, jnp.arange(v, dtype=jnp.int32),
+                          side="right") - 1
+  present = (last >= 0) & (ids[jnp.maximum(last, 0)] == jnp.arange(v))
+  flat = operand.reshape(v, -1)
+  total = jnp.where(present[:, None], flat + runs[jnp.maximum(last, 0)], flat)
+  return total.reshape(operand.shape)
 
 
 _HIGHER_ORDER = {

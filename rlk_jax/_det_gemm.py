@@ -54,12 +54,36 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
 
 
 def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
-  (m, n, k), config = _tiles(a, b, transpose_a, transpose_b)
-  if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
-    return jnp.zeros((m, n), out_dtype)
-  return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
-                                  transpose_b=transpose_b,
-                                  out_dtype=out_dtype, config=config)
+  def product(a, b):
+    (m, n, k), config = _tiles(a, b, transpose_a, transpose_b)
+    if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
+      return jnp.zeros((m, n), out_dtype)
+    return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
+                                    transpose_b=transpose_b,
+                                    out_dtype=out_dtype, config=config)
+  return _one_product_per_batch_element(product)(a, b)
+
+
+def _one_product_per_batch_element(product):
+  """`product` under vmap as one call per batch element (lax.map):
+  jax-triton's call has no batching rule, and each element's own product
+  has the bits of an unbatched call."""
+  @jax.custom_batching.custom_vmap
+  def call(a, b):
+    return product(a, b)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, a, b):
+    a_batched, b_batched = in_batched
+    if a_batched and b_batched:
+      out = jax.lax.map(lambda ab: call(*ab), (a, b))
+    elif a_batched:
+      out = jax.lax.map(lambda x: call(x, b), a)
+    else:
+      out = jax.lax.map(lambda y: call(a, y), b)
+    return out, True
+
+  return call
 
 
 def _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype):

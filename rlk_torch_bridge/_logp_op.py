@@ -2,13 +2,15 @@
 rlk_jax's linear_logp forward and VJP as PyTorch operators.
 
 The forward returns ``(logp, entropy, lse)`` (lse is the residual the
-backward needs); the backward returns ``(d hidden, d weight [H, V])``. On an
+backward needs); the backward returns ``(d hidden, d weight [V, H])`` (the weight's own layout,
+so autograd accumulates it without a copy). On an
 SM90 GPU the ``cuda_ffi`` implementation launches rlk_jax's kernels itself,
 in rlk_jax's order, on torch's stream (``_sm90_logp``: capturable in CUDA
 graphs); every other implementation runs rlk_jax's own forward and VJP
 functions through one jitted JAX call each (DLPack). Either way the bits are
-the JAX op's. ``weight`` is ``lm_head.weight``, ``[V, H]``: JAX gets a
-contiguous ``[H, V]`` copy (one weight read and write per call).
+the JAX op's. ``weight`` is ``lm_head.weight``, ``[V, H]``: the SM90 route
+reads it in place; JAX gets a contiguous ``[H, V]`` copy (one weight read
+and write per call).
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def _jax_forward(impl, temperature, chunk_size, hidden, weight_hv, targets):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _jax_backward(impl, temperature, chunk_size, hidden, weight_hv, targets,
                   lse, entropy, g_logp, g_entropy):
-  return _linear_logp._logp_bwd(impl, temperature, chunk_size,
-                                (hidden, weight_hv, targets, lse, entropy),
-                                (g_logp, g_entropy))[:2]
+  dh, dw_hv = _linear_logp._logp_bwd(impl, temperature, chunk_size,
+                                     (hidden, weight_hv, targets, lse,
+                                      entropy), (g_logp, g_entropy))[:2]
+  return dh, dw_hv.T  # [V, H], lm_head.weight's layout
 
 
 def _forward_kernel(hidden, weight, targets, temperature, chunk_size,
@@ -84,17 +87,16 @@ def _backward_kernel(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
     return _sm90_logp.backward(hidden, weight, targets, lse, entropy, g_logp,
                                g_entropy, temperature, chunk_size)
   _library.refuse_capture("linear_logp", implementation, hidden.device)
-  dh, dw_hv = _jax_backward(
+  dh, dw = _jax_backward(
       implementation, temperature, chunk_size,
       *to_jax_all(hidden, weight.t(), targets, lse, entropy, g_logp, g_entropy,
                   one_computation=True))
-  return to_torch_all(dh, dw_hv)
+  return to_torch_all(dh, dw)
 
 
 def _backward_fake(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
                    temperature, chunk_size, implementation):
-  return (torch.empty_like(hidden),
-          weight.new_empty((weight.shape[1], weight.shape[0])))
+  return torch.empty_like(hidden), weight.new_empty(weight.shape)
 
 
 class LinearLogp(torch.autograd.Function):
@@ -117,12 +119,11 @@ class LinearLogp(torch.autograd.Function):
     # An output nobody used has no cotangent: it contributes zero.
     g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
     g_entropy = torch.zeros_like(lse) if g_entropy is None else g_entropy
-    dh, dw_hv = _library.below_autograd(
+    dh, dw = _library.below_autograd(
         BACKWARD, hidden, weight, targets, lse, entropy,
         g_logp.float().contiguous(), g_entropy.float().contiguous(),
         *ctx.static)
-    # The weight is [V, H]: its gradient is the [H, V] one transposed (a view).
-    return dh, dw_hv.t(), None, None, None, None
+    return dh, dw, None, None, None, None
 
 
 def _differentiable(hidden, weight, *_):

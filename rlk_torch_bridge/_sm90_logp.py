@@ -4,14 +4,19 @@ per vocabulary chunk, then the CUDA stats, finish and gradient kernels), on
 the same operands in the same order, so the same bits, on torch's current
 stream: no DLPack, no JAX dispatch, and capturable in a CUDA graph.
 
-rlk_jax takes the weight as ``[H, V]`` and each chunk's products read a
-contiguous ``[H, chunk]`` slice; torch's ``lm_head.weight`` is ``[V, H]``, so
-each chunk is copied to that layout (``weight[c0:c1].t()``, made contiguous
-by the product): the bytes JAX's product reads, one chunk at a time instead
-of the whole weight. Stream order and lifetime hold as for det_gemm's direct
-route (``_sm90``): every kernel is enqueued on torch's current stream on
-torch tensors, and the caching allocator only reuses a freed temporary
-(a chunk's logits, say) behind the kernels already enqueued on that stream.
+rlk_jax takes the weight as ``[H, V]``; torch's ``lm_head.weight`` is
+``[V, H]``, and each chunk's rows ``weight[c0:c1]`` are one contiguous
+``[chunk, H]`` block, read in place as the products' transposed operand: no
+copy of the weight. The gradient of the weight is written as ``[V, H]``
+(``dW_c = dlogitsᵀ @ hidden``, a contiguous row block per chunk), the
+layout autograd accumulates into ``weight.grad`` without a copy. A product's
+bits do not depend on its operands' layouts or on which operand is stored
+transposed (each output element sums the same products in the same K order:
+device-tested against rlk_jax's ``[H, V]`` products). Stream order and
+lifetime hold as for det_gemm's direct route (``_sm90``): every kernel is
+enqueued on torch's current stream on torch tensors, and the caching
+allocator only reuses a freed temporary (a chunk's logits, say) behind the
+kernels already enqueued on that stream.
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ def forward(hidden, weight, targets, temperature: float, chunk_size: int):
   if not n:
     return rows(0.0), rows(0.0), rows(0.0)
   stream = _current_stream_handle(hidden.device.index)
-  hidden, targets = hidden.contiguous(), _int32(targets)
+  hidden, weight = hidden.contiguous(), weight.contiguous()
+  targets = _int32(targets)
   # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
   stats = (rows(-math.inf), rows(0.0), rows(0.0), rows(0.0))
   for c0, c1 in _chunks(v, chunk_size):
-    logits = _product(hidden, weight[c0:c1].t(), False, False, torch.float32)
+    logits = _product(hidden, weight[c0:c1], False, True, torch.float32)
     chunk_targets = targets - c0
     cuda_ffi.launch_logits_stats(stream, logits.data_ptr(),
                                  chunk_targets.data_ptr(), _ptrs(*stats), n,
@@ -84,23 +90,24 @@ def forward(hidden, weight, targets, temperature: float, chunk_size: int):
 @_on_device_of
 def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
              temperature: float, chunk_size: int):
-  """``(d hidden [N, H], d weight as [H, V])``: rlk_jax's VJP
+  """``(d hidden [N, H], d weight [V, H])``: rlk_jax's VJP
   (``_linear_logp._logp_bwd``), product for product."""
   (n, h), v = hidden.shape, weight.shape[0]
   if not n:  # a gradient of no rows
-    return torch.zeros_like(hidden), weight.new_zeros((h, v))
+    return torch.zeros_like(hidden), hidden.new_zeros((v, h), dtype=weight.dtype)
   stream = _current_stream_handle(hidden.device.index)
-  hidden, targets = hidden.contiguous(), _int32(targets)
+  hidden, weight = hidden.contiguous(), weight.contiguous()
+  targets = _int32(targets)
   lse, entropy, g_logp, g_entropy = (
       t.to(torch.float32).contiguous() for t in (lse, entropy, g_logp,
                                                  g_entropy))
   # A select, as rlk_jax's: the same bits whatever g_logp holds.
   g_picked = torch.where((targets >= 0) & (targets < v), g_logp, 0.0)
   dh = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-  dw = weight.new_empty((h, v))  # every column is written below
+  dw = torch.empty((v, h), dtype=weight.dtype, device=weight.device)  # every row written below
   for c0, c1 in _chunks(v, chunk_size):
-    w_c = weight[c0:c1].t().contiguous()  # [H, chunk], for both products
-    logits = _product(hidden, w_c, False, False, torch.float32)
+    w_c = weight[c0:c1]  # [chunk, H], contiguous: read in place
+    logits = _product(hidden, w_c, False, True, torch.float32)
     dlogits = torch.empty((n, c1 - c0), dtype=hidden.dtype,
                           device=hidden.device)
     chunk_targets = targets - c0
@@ -110,6 +117,6 @@ def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
         temperature, dlogits.data_ptr())
     del logits
     # rlk_jax sums dh over the chunks in vocabulary order, in f32: so here.
-    dh += _product(dlogits, w_c, False, True, torch.float32)
-    dw[:, c0:c1] = _product(hidden, dlogits, True, False, weight.dtype)
+    dh += _product(dlogits, w_c, False, False, torch.float32)
+    dw[c0:c1] = _product(dlogits, hidden, True, False, weight.dtype)
   return dh.to(hidden.dtype), dw

@@ -26,9 +26,10 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
                 ignore_index: int = -100, implementation: str | None = None):
   """f32 log-probs of `targets` under ``softmax(hidden @ weight.T / T)``.
 
-  `weight` is ``lm_head.weight``, ``[V, H]`` (torch's layout; rlk_jax takes
-  ``[H, V]``: the bridge hands JAX a contiguous ``[H, V]`` copy, one weight
-  read and write per call). `hidden` is ``[..., H]``, `targets` integer
+  `weight` is ``lm_head.weight``, ``[V, H]`` (torch's layout, read in place
+  on an SM90 GPU; rlk_jax takes ``[H, V]``, so the other routes hand JAX a
+  contiguous ``[H, V]`` copy, one weight read and write per call); its
+  gradient comes back in that ``[V, H]`` layout. `hidden` is ``[..., H]``, `targets` integer
   ``[...]`` (`ignore_index` gives 0 and no gradient; any other id outside
   [0, V) gives NaN, or a ValueError naming it where the targets are on the
   CPU, so no device sync). Gradients flow to

@@ -246,6 +246,36 @@ def test_report_names_what_it_left():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("mode", ["promise_in_bounds", "drop", "clip"])
+def test_embedding_gradient_scatter_add_is_ordered(mode):
+  # An embedding's backward is a scatter-add, which XLA's GPU backend runs
+  # with atomics (other bits run to run): rewritten into a sorted,
+  # segmented sum. Repeated ids, ids out of range (dropped, or clipped),
+  # float64 accuracy, and no scatter-add left in the jaxpr.
+  rng = np.random.default_rng(5)
+  table = jnp.asarray(rng.normal(size=(37, 6)), jnp.float32)
+  ids = rng.integers(0, 37, (4, 23))
+  ids[0, :5] = 3  # one row many times
+  if mode != "promise_in_bounds":
+    ids[1, 2], ids[2, 7] = 37, 45  # (a negative id wraps, as in NumPy)
+  ids = jnp.asarray(ids)
+  g_out = jnp.asarray(rng.normal(size=(4, 23, 6)), jnp.float32)
+
+  def loss(table):
+    return jnp.sum(table.at[ids].get(mode=mode) * g_out)
+
+  grad = rlk_jax.batch_invariant(jax.grad(loss))
+  assert "scatter-add" not in [n for n, _ in _ops(grad, table)]
+  got = np.asarray(jax.jit(grad)(table))
+  want = np.zeros((37, 6))
+  for i, row in np.ndenumerate(np.asarray(ids)):
+    r = min(max(row, 0), 36) if mode == "clip" else row
+    if 0 <= r < 37:
+      want[r] += np.asarray(g_out, np.float64)[i]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got, np.asarray(jax.jit(grad)(table)))
+
+
 @pytest.mark.parametrize("k", [1, 255, 256, 1000, 4096])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_row_sum_rows_alone_equal_batch_and_float64(k, dtype):

@@ -146,6 +146,28 @@ def test_vmap_and_remat(impl, rng):
     assert_bitwise_equal(x, y)
 
 
+@pytest.mark.parametrize("batched", ["both", "left", "right"])
+def test_one_product_per_batch_element_under_vmap(batched, rng):
+  # The batching rule of the "triton" route (jax-triton's call has none):
+  # one unbatched product per batch element, however vmap batches.
+  from rlk_jax import _det_gemm
+  calls = []
+  def product(a, b):
+    calls.append((a.shape, b.shape))
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+  call = _det_gemm._one_product_per_batch_element(product)
+  a = random_array(rng, (3, 5, 16), jnp.float32)
+  b = random_array(rng, (3, 16, 7), jnp.float32)
+  axes = {"both": (0, 0), "left": (0, None), "right": (None, 0)}[batched]
+  args = (a if axes[0] == 0 else a[1], b if axes[1] == 0 else b[2])
+  got = jax.vmap(call, in_axes=axes)(*args)
+  for i in range(3):
+    want = product(args[0][i] if axes[0] == 0 else args[0],
+                   args[1][i] if axes[1] == 0 else args[1])
+    assert_bitwise_equal(got[i], want)
+  assert all(len(sa) == 2 and len(sb) == 2 for sa, sb in calls), calls
+
+
 def test_transposed_weight_layout(impl, rng):
   a = random_array(rng, (70, 1000), jnp.bfloat16)
   w = random_array(rng, (130, 1000), jnp.bfloat16)  # nn.Linear's [out, in]

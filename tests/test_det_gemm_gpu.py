@@ -97,3 +97,18 @@ def test_weight_gradient_padding_inert_at_size(impl, rng):
   ref_db = np.asarray(a, np.float64).T @ np.asarray(g, np.float64)
   err = np.linalg.norm(np.asarray(db, np.float64) - ref_db) / np.linalg.norm(ref_db)
   assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_triton_route_under_vmap_is_each_elements_product(dtype, rng):
+  # jax-triton's call has no batching rule: det_gemm's "triton" route maps
+  # one product per batch element (f32 products take this route on a GPU).
+  if rlk_jax.implementations("det_gemm")["triton"] is not None:
+    pytest.skip("no jax-triton here")
+  a = random_array(rng, (3, 40, 128), dtype)
+  b = random_array(rng, (3, 128, 72), dtype)
+  f = functools.partial(rlk_jax.det_gemm, implementation="triton")
+  both, left = jax.vmap(f)(a, b), jax.vmap(f, in_axes=(0, None))(a, b[1])
+  for i in range(3):
+    assert_bitwise_equal(both[i], f(a[i], b[i]))
+    assert_bitwise_equal(left[i], f(a[i], b[1]))

@@ -187,6 +187,8 @@ def test_linear_logp_same_bits_and_gradients_as_jax(rng):
   assert logp[0, 3] == 0 and logp[1, 8] == 0 and (logp <= 0).all()
   assert_bitwise_equal(t2n(hidden.grad), np.asarray(dh))
   assert_bitwise_equal(t2n(weight.grad), np.asarray(dw).T)
+  # Returned in the weight's own [V, H] layout: accumulated without a copy.
+  assert weight.grad.is_contiguous() and weight.grad.shape == (v, h)
   with torch.no_grad():  # the inference path: the same bits
     assert torch.equal(rtb.linear_logp(hidden, weight, targets, temperature=0.8), logp)
 

@@ -8,15 +8,18 @@
 // and the same det_gemm kernels in the same order: the same bits, and every
 // transcendental (expf, logf) is this file's, not a framework's.
 //
-// Invariance: the stats kernel gives one warp to one row. Lane j folds
-// columns j, j + 32, ... in order into its own running (max, sum of exp, sum
-// of exp * logit), then the warp merges the 32 partial states by an xor
-// butterfly. Every step depends only on the row's own logits and the fixed
-// lane mapping, never on the number of rows, so a row's stats are the same
-// bits in any batch. Only lane 0's state is stored, merged in a fixed
-// order (nvcc may contract the merge into FMAs, so other lanes can hold
-// other bits; none is read). The finish and gradient kernels are
-// elementwise over a row's own values.
+// Invariance: the stats kernel gives one warp to one row. Lane j reads the
+// row's float4 groups j, j + 32, ... ; each step of the loop takes kUnroll
+// such groups a lane (16 logits, loads in flight together: the kernel is
+// bound by memory, and one dependent load at a time left it at half the
+// bandwidth), takes their max with the lane's running max, rescales the
+// running sums once and adds the 16 exps in column order. Then the warp
+// merges the 32 partial states by an xor butterfly. Every step depends only
+// on the row's own logits and the fixed lane mapping, never on the number
+// of rows, so a row's stats are the same bits in any batch. Only lane 0's
+// state is stored, merged in a fixed order (nvcc may contract the merge into
+// FMAs, so other lanes can hold other bits; none is read). The finish and
+// gradient kernels are elementwise over a row's own values.
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -42,19 +45,6 @@ struct Stats {
   float max, sum, weighted;
 };
 
-__device__ inline void Fold(Stats& a, float x) {
-  if (x > a.max) {  // also the first element, while a.max is -inf
-    const float scale = expf(a.max - x);
-    a.sum = a.sum * scale + 1.0f;
-    a.weighted = a.weighted * scale + x;
-    a.max = x;
-  } else {
-    const float e = expf(x - a.max);
-    a.sum += e;
-    a.weighted += e * x;
-  }
-}
-
 __device__ inline Stats Merge(const Stats& a, const Stats& b) {
   const float max = fmaxf(a.max, b.max);
   if (max == -INFINITY) return a;  // both empty
@@ -62,9 +52,13 @@ __device__ inline Stats Merge(const Stats& a, const Stats& b) {
   return {max, a.sum * sa + b.sum * sb, a.weighted * sa + b.weighted * sb};
 }
 
-// Folds logits [n, c] (row-major, already this chunk's) into the running
-// stats; `targets` index this chunk (outside [0, c): nothing picked). The
-// outputs may alias the inputs: each row is read, then written, by one lane.
+constexpr int kVector = 4;  // logits per load (float4)
+constexpr int kUnroll = 4;  // float4 loads in flight per lane and step
+
+// Folds logits [n, c] (row-major, already this chunk's; c a multiple of 4)
+// into the running stats; `targets` index this chunk (outside [0, c):
+// nothing picked). The outputs may alias the inputs: each row is read, then
+// written, by one lane.
 __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
                                   const float* max_in, const float* sum_in,
                                   const float* picked_in,
@@ -77,8 +71,45 @@ __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;  // a whole warp: the shuffles below stay converged
   const float* x = logits + row * c;
+  const float4* groups = reinterpret_cast<const float4*>(x);
+  const int64_t count = c / kVector;
   Stats own{-INFINITY, 0.0f, 0.0f};
-  for (int64_t j = lane; j < c; j += kWarp) Fold(own, x[j] / temperature);
+  for (int64_t base = 0; base < count; base += kWarp * kUnroll) {
+    float v[kUnroll * kVector];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = base + u * kWarp + lane;
+      valid[u] = g < count;
+      const float4 q = valid[u] ? groups[g] : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u * kVector + 0] = q.x / temperature;
+      v[u * kVector + 1] = q.y / temperature;
+      v[u * kVector + 2] = q.z / temperature;
+      v[u * kVector + 3] = q.w / temperature;
+    }
+    float m = own.max;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!valid[u]) continue;
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) m = fmaxf(m, v[u * kVector + e]);
+    }
+    if (m == -INFINITY) continue;  // no column of this step for this lane
+    const float scale = expf(own.max - m);  // 0 while own is empty
+    float sum = own.sum * scale, weighted = own.weighted * scale;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!valid[u]) continue;
+#pragma unroll
+      for (int e = 0; e < kVector; ++e) {
+        const float xe = v[u * kVector + e];
+        const float p = expf(xe - m);
+        sum += p;
+        weighted += p * xe;
+      }
+    }
+    own = {m, sum, weighted};
+  }
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
     const Stats other{__shfl_xor_sync(0xffffffffu, own.max, offset),
                       __shfl_xor_sync(0xffffffffu, own.sum, offset),
@@ -207,6 +238,13 @@ const char* GradShapeError(int64_t c) {
              : nullptr;
 }
 
+const char* StatsShapeError(int64_t c) {
+  return c % kVector
+             ? "rlk cuda_ffi logits_stats: the chunk's columns must be a "
+               "multiple of 4 (vector loads)"
+             : nullptr;
+}
+
 thread_local std::string logp_error;
 
 const char* ErrorOf(cudaError_t status, const char* op) {
@@ -267,6 +305,7 @@ ffi::Error LogitsStatsFfi(cudaStream_t stream, F32 logits, S32 targets,
                                  targets.element_count()})) {
     return ffi::Error::InvalidArgument(e);
   }
+  if (const char* e = StatsShapeError(c)) return ffi::Error::InvalidArgument(e);
   return FfiError(ErrorOf(
       LaunchStats(stream, logits.typed_data(), targets.typed_data(),
                   max_in.typed_data(), sum_in.typed_data(),
@@ -375,6 +414,7 @@ const char* rlk_logits_stats(void* stream, const float* logits,
                              const int32_t* targets, float* max, float* sum,
                              float* picked, float* weighted, int64_t n,
                              int64_t c, float temperature) {
+  if (const char* e = rlk::StatsShapeError(c)) return e;
   return rlk::ErrorOf(
       rlk::LaunchStats(static_cast<cudaStream_t>(stream), logits, targets, max,
                        sum, picked, weighted, max, sum, picked, weighted, n, c,
