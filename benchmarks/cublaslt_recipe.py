@@ -21,7 +21,8 @@ Jobs (JSON on stdin, JSON on stdout's last line):
   "ms": [...], "full": 4096, "rlk": bool}``: per product, how many of the
   first m rows change bits between M=m and M=full, for torch.matmul and
   (``rlk``) for rlk's kernel, and how many of the M=full rows differ
-  between the two;
+  between the two (an optional ``"rlk_ms"`` counts rlk's rows at those m
+  instead of ``ms``; ``[]``: its M=full rows alone, against torch's);
 * ``{"kind": "time", "products": [[case, m, k, n, layout], ...]}``: torch's
   and rlk's kernel timed in interleaved rounds (CUDA-graph replay), as rows,
   with the kernel torch ran in the note;
@@ -111,8 +112,8 @@ def _rows_differ(torch, job) -> dict:
     fulls, result = {}, {}
     for name, gemm in gemms.items():
       full = fulls[name] = gemm(x)
-      result[name] = {m: _rows_apart(gemm(x[:m]), full[:m])
-                      for m in job["ms"]}
+      ms = job["ms"] if name == "torch" else job.get("rlk_ms", job["ms"])
+      result[name] = {m: _rows_apart(gemm(x[:m]), full[:m]) for m in ms}
     if "rlk" in fulls:
       result["rlk_impl"] = impl
       result["torch_vs_rlk"] = _rows_apart(fulls["torch"], fulls["rlk"])

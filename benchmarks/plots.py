@@ -516,10 +516,11 @@ def _commit_time(root: str, commit: str) -> int:
   return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
-def smoke_results(root: str, benchmarks, repeats: int = 3) -> str:
+def smoke_results(root: str, benchmarks, repeats: int = 1) -> str:
   """Runs the smoke benchmarks (CPU sizes) in a fresh interpreter; returns
   the CSV path. A subprocess, so absl flags and JAX state stay out of the
-  kernel."""
+  kernel. One timed round per case: smoke times on a CPU (kernels in their
+  interpreters) check the plumbing, they measure nothing."""
   out = tempfile.mkdtemp(prefix="rlk_smoke_")
   done = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke",
                          "--only", ",".join(benchmarks), "--repeats",

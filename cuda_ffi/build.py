@@ -208,26 +208,30 @@ def library_path() -> pathlib.Path | None:
 
 
 def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
-                      variants=VARIANTS, configs=None):
-  """nvcc command lines, one per object, writing into `out_dir`."""
+                      variants=VARIANTS, configs=None, kernels=None):
+  """nvcc command lines, one per object, writing into `out_dir`: a kernel
+  object per variant and config (or per (variant, config name) pair of
+  `kernels`), then the other sources once each."""
   includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
               "-isystem", str(cutlass / "tools" / "util" / "include")]
   commands = []
   configs = kernel_configs() if configs is None else configs
+  if kernels is None:
+    kernels = [(variant, name) for variant in variants for name in configs]
   extended = extended_mma_configs()
   # One object per (variant, config): ~40 s each, so the build spreads over
   # every core instead of waiting on eight long ones.
-  for ta, tb, f32 in variants:
-    for name, code in configs.items():
-      obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o"
-      atoms = (["-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"]
-               if name in extended else [])
-      commands.append([nvcc, *NVCC_FLAGS, *includes, *atoms,
-                       f"-DRLK_TA={ta}", f"-DRLK_TB={tb}",
-                       f"-DRLK_OUT_F32={f32}", f"-DRLK_CONFIG={code}", "-c",
-                       str(KERNEL_SOURCE), "-o", str(obj)])
-  kernels, pack_api = PACK_SOURCES
-  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(kernels),
+  for (ta, tb, f32), name in kernels:
+    code = configs[name]
+    obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o"
+    atoms = (["-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"]
+             if name in extended else [])
+    commands.append([nvcc, *NVCC_FLAGS, *includes, *atoms,
+                     f"-DRLK_TA={ta}", f"-DRLK_TB={tb}",
+                     f"-DRLK_OUT_F32={f32}", f"-DRLK_CONFIG={code}", "-c",
+                     str(KERNEL_SOURCE), "-o", str(obj)])
+  pack_kernels, pack_api = PACK_SOURCES
+  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(pack_kernels),
                    "-o", str(out_dir / "pack_rows_kernels.o")])
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
                    "-c", str(LOGP_SOURCE),
@@ -327,17 +331,18 @@ def build(jobs: int | None = None, log=print,
 
 
 def check(jobs: int | None = None, variants=VARIANTS, configs=None,
-          log=print) -> None:
+          log=print, kernels=None) -> None:
   """Compiles the sources for sm_90a into a scratch directory (no link):
-  the API and the kernel file once per variant in `variants` and config in
-  `configs` (names of kernel_configs(); default all)."""
+  every non-kernel source once, and the kernel file once per variant in
+  `variants` and config in `configs` (names of kernel_configs(); default
+  all), or, with `kernels`, once per (variant, config name) pair in it."""
   nvcc, cutlass, ffi = _inputs()
   chosen = kernel_configs()
-  if configs is not None:
+  if configs is not None and kernels is None:
     chosen = {name: chosen[name] for name in configs}
   with tempfile.TemporaryDirectory() as tmp:
     _run_all(_compile_commands(nvcc, cutlass, ffi, pathlib.Path(tmp),
-                               variants, chosen),
+                               variants, chosen, kernels),
              jobs or os.cpu_count() or 1, log)
 
 

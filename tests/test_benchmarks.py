@@ -33,25 +33,27 @@ def test_peer_ratios_divide_by_the_same_case_only():
 
 
 def test_interleaved_timing_leaves_out_what_a_batch_costs_once():
-  # A batch that costs 30 ms once (dispatch, the final wait) plus 2 ms a
-  # call: timed whole, 5 calls would read 8 ms each; the figure is 2 ms.
+  # A batch that costs 100 ms once (dispatch, the final wait) plus 20 ms a
+  # call: timed whole, 5 calls would read 40 ms each; the figure is 20 ms.
+  # (Tens of ms: a sleep's wake-up runs ms late on a loaded machine, e.g.
+  # beside the other test workers.)
   def run_batch(n):
-    time.sleep(0.030 + 0.002 * n)
+    time.sleep(0.100 + 0.020 * n)
 
   per_call = harness.time_interleaved({"fake": (run_batch, 1)}, iters=5,
                                       repeats=3, warmup=0)["fake"]
-  assert 1.5 < per_call < 3.5
+  assert 15 < per_call < 35
 
 
 def test_interleaved_timing_falls_back_to_whole_batches_in_noise():
   # More calls taking no longer (noise larger than the work): the added
   # time is not positive, so the figure is the longer batch's per call.
   def run_batch(n):
-    time.sleep(0.012 - 0.001 * n)
+    time.sleep(0.120 - 0.010 * n)
 
   per_call = harness.time_interleaved({"fake": (run_batch, 1)}, iters=2,
                                       repeats=3, warmup=0)["fake"]
-  assert 1.5 < per_call < 3.5  # the 4-call batch: 8 ms over 4 calls
+  assert 15 < per_call < 35  # the 4-call batch: 80 ms over 4 calls
 
 
 def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
@@ -59,7 +61,7 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-m", "benchmarks", "--only",
                   "invariance,bridge,torch_ops,jit_steps,det_gemm_sweep",
-                  "--repeats", "2",
+                  "--repeats", "1",
                   "--sweep_ms", "48", "--out", str(out)],
                  cwd=root, check=True, capture_output=True, text=True,
                  timeout=600)
