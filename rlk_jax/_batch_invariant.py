@@ -17,7 +17,7 @@ arguments and evaluates it equation by equation:
 - ``dot_general`` (any batch and contracting dimensions: einsum, matmul,
   attention's products; bf16, f16, f32 operands) runs on
   ``rlk_jax.det_gemm``: free dims of the left operand are its rows, of the
-  right one its columns, batch dims one product each (``lax.map``). Every output element sums
+  right one its columns, batch dims a ``vmap``. Every output element sums
   its own products in K order, so its bits depend on its own row and
   column only.
 - ``reduce_sum`` over the last axis of a float array (what ``mean``,
@@ -273,11 +273,7 @@ class _Rules:
       return jnp.zeros((*batch, *rows, *cols), out_dtype)
     product = functools.partial(det_gemm, out_dtype=out_dtype,
                                 implementation=self.implementation)
-    # Batch dims one 2-D product at a time (lax.map, not vmap: jax-triton's
-    # call, det_gemm's route for f32 on a GPU, has no batching rule). Each
-    # batch element is its own product either way: the same bits.
-    c = (product(a[0], b[0])[None] if nb == 1
-         else jax.lax.map(lambda ab: product(*ab), (a, b)))
+    c = product(a[0], b[0])[None] if nb == 1 else jax.vmap(product)(a, b)
     return c.reshape(*batch, *rows, *cols)
 
   # Higher-order primitives whose bodies have something to rewrite: rebuilt
@@ -362,9 +358,10 @@ def _ordered_row_scatter_add(operand, indices, updates, *, mode):
   # Each row's run ends at the last position with its id.
   last = jnp.searchsorted(ids, jnp.arange(v, dtype=jnp.int32),
                           side="right") - 1
-  present = (last >= 0) & (ids[jnp.maximum(last, 0)] == jnp.arange(v))
+  at = jnp.maximum(last, 0)
+  present = (last >= 0) & (ids[at] == jnp.arange(v))
   flat = operand.reshape(v, -1)
-  total = jnp.where(present[:, None], flat + runs[jnp.maximum(last, 0)], flat)
+  total = jnp.where(present[:, None], flat + runs[at], flat)
   return total.reshape(operand.shape)
 
 
