@@ -5,7 +5,10 @@ the measured product floor (cuBLAS's dense ``hidden @ Wᵀ`` in the same run),
 and each one's invariance count (rows alone against the same rows in the
 batch, with their own targets).
 
-Peers, where they import (the device carries them; none is a dependency):
+``rlk`` asks for log-probs only (no entropy work); ``rlk_entropy`` asks for
+the entropy too and puts it in the loss, as verl's kernel always computes
+it. Peers, where they import (the device carries them; none is a
+dependency):
 ``liger_flce`` (Liger's ``LigerFusedLinearCrossEntropyFunction``,
 reduction "none", log-prob = -loss), ``liger_ppo`` (the verl-compatible op
 Liger dispatches to off its CuTe-DSL SM90 kernel:
@@ -28,14 +31,20 @@ CHUNK_ROWS = 1024
 # Products a forward+backward runs, for its floor: rlk, verl and Liger's PPO
 # op recompute the logits in the backward; Liger's FLCE and dense torch keep
 # what the forward made.
-PRODUCTS_FWD_BWD = {"rlk": 4, "verl": 4, "liger_ppo": 4,
+PRODUCTS_FWD_BWD = {"rlk": 4, "rlk_entropy": 4, "verl": 4, "liger_ppo": 4,
                     "liger_scaled_sm90": 4}
+ENTROPY_COEF = 0.01
 
 
 def _peers(torch):
   """(peers by name, {name: why it is missing})."""
   import rlk_torch_bridge as rtb
-  peers = {"rlk": lambda h, w, t: rtb.linear_logp(h, w, t)}
+  def rlk_entropy(h, w, t):  # the entropy asked for and in the loss, as verl's
+    logp, entropy = rtb.linear_logp(h, w, t, return_entropy=True)
+    return logp + ENTROPY_COEF * entropy
+
+  peers = {"rlk": lambda h, w, t: rtb.linear_logp(h, w, t),
+           "rlk_entropy": rlk_entropy}
   missing = {}
   try:
     from liger_kernel.ops.fused_linear_cross_entropy import (

@@ -150,11 +150,10 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_gather_rows.restype = ctypes.c_char_p
   lib.rlk_gather_rows.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_uint64,
                                   vp]
-  f32 = ctypes.c_float
   for entry, argtypes in (
-      (lib.rlk_logits_stats, [vp] * 7 + [i64, i64, f32]),
-      (lib.rlk_logits_finish, [vp] * 6 + [i64, i64] + [vp] * 3),
-      (lib.rlk_logits_grad, [vp] * 7 + [i64, i64, f32, vp])):
+      (lib.rlk_logits_stats, [vp] * 8 + [i64, i64, ctypes.c_int]),
+      (lib.rlk_logits_finish, [vp] * 6 + [i64, i64, ctypes.c_int] + [vp] * 3),
+      (lib.rlk_logits_grad, [vp] * 8 + [i64, i64, ctypes.c_int, vp])):
     entry.restype, entry.argtypes = ctypes.c_char_p, argtypes
   lib.rlk_row_reduce.restype = ctypes.c_char_p
   lib.rlk_row_reduce.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_float,
@@ -458,72 +457,79 @@ def launch_gather_rows(stream: int, src_ptr: int, idx_ptr: int, out_rows: int,
 # logits come from det_gemm)
 
 
-def logits_stats(logits, targets, stats, *, temperature: float):
+def logits_stats(logits, targets, temps, stats, *, with_entropy: bool = True):
   """Folds f32 logits ``[N, C]`` into linear_logp's running stats (four f32
   ``[N]``: max, sum of exp, target logit, sum of exp * logit; updated in
   place, the outputs alias them); `targets` int32 ``[N]`` index this chunk
-  (outside ``[0, C)``: nothing picked). One warp per row, a fixed order:
-  a row's bits never depend on the other rows."""
+  (outside ``[0, C)``: nothing picked); `temps` f32 ``[N]`` are the rows'
+  temperatures. Without entropy the sum of exp * logit is not folded (it
+  stays as passed). One warp per row, a fixed order: a row's bits never
+  depend on the other rows."""
   import jax
   import jax.numpy as jnp
   library()
   out = jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32)
   call = jax.ffi.ffi_call(LOGITS_STATS_TARGET, (out,) * 4,
-                          input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3},
+                          input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
                           vmap_method="sequential")
-  return call(logits, targets, *stats, temperature=np.float32(temperature))
+  return call(logits, targets, temps, *stats, entropy=bool(with_entropy))
 
 
-def logits_finish(stats, targets, vocab: int):
+def logits_finish(stats, targets, vocab: int, *, with_entropy: bool = True):
   """``(logp, lse, entropy)``, f32 ``[N]`` each, from the folded stats;
-  `targets` int32 ``[N]`` (outside ``[0, vocab)``: log-prob 0)."""
+  `targets` int32 ``[N]`` (outside ``[0, vocab)``: log-prob 0); entropy NaN
+  without `with_entropy`."""
   import jax
   import jax.numpy as jnp
   library()
   out = jax.ShapeDtypeStruct((targets.shape[0],), jnp.float32)
   call = jax.ffi.ffi_call(LOGITS_FINISH_TARGET, (out,) * 3,
                           vmap_method="sequential")
-  return call(*stats, targets, vocab=np.int64(vocab))
+  return call(*stats, targets, vocab=np.int64(vocab),
+              entropy=bool(with_entropy))
 
 
-def logits_grad(logits, targets, lse, entropy, g_picked, g_entropy, *,
-                temperature: float):
+def logits_grad(logits, targets, temps, lse, entropy, g_picked, g_entropy, *,
+                with_entropy: bool = True):
   """linear_logp's d loss / d logits of one chunk, bf16 ``[N, C]``, from the
   chunk's raw f32 logits ``[N, C]`` (C a multiple of 4), `targets` int32
-  indexing this chunk, and each row's f32 lse, entropy, cotangent of the
-  log-prob (0 where the target is outside the vocabulary) and of the
-  entropy."""
+  indexing this chunk, and each row's f32 temperature, lse, entropy,
+  cotangent of the log-prob (0 where the target is outside the vocabulary)
+  and of the entropy (neither entropy operand read without
+  `with_entropy`)."""
   import jax
   import jax.numpy as jnp
   library()
   call = jax.ffi.ffi_call(
       LOGITS_GRAD_TARGET, jax.ShapeDtypeStruct(logits.shape, jnp.bfloat16),
       vmap_method="sequential")
-  return call(logits, targets, lse, entropy, g_picked, g_entropy,
-              temperature=np.float32(temperature))
+  return call(logits, targets, temps, lse, entropy, g_picked, g_entropy,
+              entropy=bool(with_entropy))
 
 
 def launch_logits_stats(stream: int, logits_ptr: int, targets_ptr: int,
-                        stat_ptrs, n: int, c: int, temperature: float) -> None:
+                        temps_ptr: int, stat_ptrs, n: int, c: int,
+                        with_entropy: bool) -> None:
   """`logits_stats` on raw pointers and a stream (the torch bridge), the
   four stats at `stat_ptrs` updated in place."""
   _checked(library().rlk_logits_stats(stream, logits_ptr, targets_ptr,
-                                      *stat_ptrs, n, c, temperature))
+                                      temps_ptr, *stat_ptrs, n, c,
+                                      int(with_entropy)))
 
 
 def launch_logits_finish(stream: int, stat_ptrs, targets_ptr: int, n: int,
-                         vocab: int, out_ptrs) -> None:
+                         vocab: int, with_entropy: bool, out_ptrs) -> None:
   """`logits_finish` on raw pointers: logp, lse, entropy at `out_ptrs`."""
   _checked(library().rlk_logits_finish(stream, *stat_ptrs, targets_ptr, n,
-                                       vocab, *out_ptrs))
+                                       vocab, int(with_entropy), *out_ptrs))
 
 
 def launch_logits_grad(stream: int, logits_ptr: int, row_ptrs, n: int, c: int,
-                       temperature: float, out_ptr: int) -> None:
-  """`logits_grad` on raw pointers; `row_ptrs` are targets, lse, entropy,
-  g_picked, g_entropy in that order."""
+                       with_entropy: bool, out_ptr: int) -> None:
+  """`logits_grad` on raw pointers; `row_ptrs` are targets, temperatures,
+  lse, entropy, g_picked, g_entropy in that order."""
   _checked(library().rlk_logits_grad(stream, logits_ptr, *row_ptrs, n, c,
-                                     temperature, out_ptr))
+                                     int(with_entropy), out_ptr))
 
 
 ROW_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # the entry's codes

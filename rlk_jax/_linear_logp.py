@@ -31,15 +31,23 @@ from triton_kernels import linear_logp as triton_logp
 IGNORE_INDEX = -100
 
 
-def _reference(hidden, weight, targets, temperature, chunk_size):
+# Every implementation takes (hidden [N, H], weight [H, V], targets int32
+# [N], temps f32 [N], chunk_size, with_entropy) and returns (logp, lse,
+# entropy), f32 [N] each; the entropy is NaN without with_entropy, and none
+# of its work is done.
+
+
+def _reference(hidden, weight, targets, temps, chunk_size, with_entropy):
   del chunk_size  # the oracle holds all the logits
-  return reference.linear_logp(hidden, weight, targets, temperature)
+  return reference.linear_logp(hidden, weight, targets, temps, with_entropy)
 
 
-def _pallas(hidden, weight, targets, temperature, chunk_size, *, interpret):
+def _pallas(hidden, weight, targets, temps, chunk_size, with_entropy, *,
+            interpret):
   del chunk_size  # fused: no logits block at all
-  return logp_kernel.linear_logp(hidden, weight, targets,
-                                 temperature=temperature, interpret=interpret)
+  return logp_kernel.linear_logp(hidden, weight, targets, temps,
+                                 with_entropy=with_entropy,
+                                 interpret=interpret)
 
 
 def _no_rows():
@@ -47,17 +55,17 @@ def _no_rows():
   return tuple(jnp.zeros((0,), jnp.float32) for _ in range(3))
 
 
-def _triton(hidden, weight, targets, temperature, chunk_size):
+def _triton(hidden, weight, targets, temps, chunk_size, with_entropy):
   del chunk_size  # fused, like "pallas"
   n = hidden.shape[0]
   if not n:
     return _no_rows()
-  return triton_logp.linear_logp(hidden, weight, targets,
-                                 temperature=temperature,
+  return triton_logp.linear_logp(hidden, weight, targets, temps,
+                                 with_entropy=with_entropy,
                                  config=logp_kernel.DEFAULT_CONFIG)
 
 
-def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
+def _chunked_sm90(hidden, weight, targets, temps, chunk_size, with_entropy):
   # The logits of one vocabulary chunk at a time come from the SM90 det_gemm
   # (row-invariant); the CUDA stats kernel folds them into each row's
   # running logsumexp in vocabulary order, one warp per row in a fixed lane
@@ -73,9 +81,9 @@ def _chunked_sm90(hidden, weight, targets, temperature, chunk_size):
     logits = _det_gemm.det_gemm(hidden, weight[:, c0:c0 + chunk_size],
                                 out_dtype=jnp.float32,
                                 implementation="cuda_ffi")
-    stats = cuda_ffi.logits_stats(logits, targets - c0, stats,
-                                  temperature=temperature)
-  return cuda_ffi.logits_finish(stats, targets, v)
+    stats = cuda_ffi.logits_stats(logits, targets - c0, temps, stats,
+                                  with_entropy=with_entropy)
+  return cuda_ffi.logits_finish(stats, targets, v, with_entropy=with_entropy)
 
 
 def _sm90_operands(n, h, v, dtype, chunk_size):
@@ -105,48 +113,64 @@ TABLE = _dispatch.register_reference_and_pallas(
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(impl, temperature, chunk_size):
+def _partitioned(impl, chunk_size, with_entropy):
   fn = TABLE.implementations[impl].fn
   return _sharding.partitioned_rows(
-      lambda h, w, t: tuple(fn(h, w, t, temperature, chunk_size)), 3)
+      lambda h, w, t, temps: tuple(fn(h, w, t, temps, chunk_size,
+                                      with_entropy)), 3, n_row_inputs=2)
 
 
-def _forward(impl, temperature, chunk_size, hidden, weight, targets):
+def _forward(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
   """(logp, lse, entropy); on several devices the token rows stay sharded."""
   if _sharding.multi_device():
-    return _partitioned(impl, temperature, chunk_size)(hidden, weight, targets)
-  return TABLE.implementations[impl].fn(hidden, weight, targets, temperature,
-                                        chunk_size)
+    return _partitioned(impl, chunk_size, with_entropy)(hidden, weight,
+                                                        targets, temps)
+  return TABLE.implementations[impl].fn(hidden, weight, targets, temps,
+                                        chunk_size, with_entropy)
 
 
+# The temperatures are an operand, not differentiated: their cotangent is
+# None (zero), and the public function passes them through stop_gradient, so
+# a caller's derivative with respect to them is an explicit zero, as in
+# verl and Liger, where the temperature is the sampler's constant.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _logp(impl, temperature, chunk_size, hidden, weight, targets):
-  logp, _, entropy = _forward(impl, temperature, chunk_size, hidden, weight,
-                              targets)
+def _logp(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
+  logp, _, entropy = _forward(impl, chunk_size, with_entropy, hidden, weight,
+                              targets, temps)
   return logp, entropy
 
 
-def _logp_fwd(impl, temperature, chunk_size, hidden, weight, targets):
-  logp, lse, entropy = _forward(impl, temperature, chunk_size, hidden, weight,
-                                targets)
-  return (logp, entropy), (hidden, weight, targets, lse, entropy)
+def _logp_fwd(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
+  logp, lse, entropy = _forward(impl, chunk_size, with_entropy, hidden, weight,
+                                targets, temps)
+  return (logp, entropy), (hidden, weight, targets, temps, lse, entropy)
 
 
-def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
-  hidden, weight, targets, lse, entropy = residuals
-  g_logp, g_ent = cotangents
+def _logp_bwd(impl, chunk_size, with_entropy, residuals, cotangents):
+  dh, dw = linear_logp_grads(impl, chunk_size, with_entropy, *residuals,
+                             *cotangents)
+  return dh, dw, None, None
+
+
+def linear_logp_grads(impl, chunk_size, with_entropy, hidden, weight, targets,
+                      temps, lse, entropy, g_logp, g_ent,
+                      dw_dtype=None):
+  """``(d hidden, d weight [H, V])`` of linear_logp's VJP; d weight in
+  `dw_dtype` (default the weight's: f32 for a caller that accumulates
+  micro-batches in f32 without a rounding per micro-batch)."""
   v = weight.shape[1]
+  dw_dtype = weight.dtype if dw_dtype is None else dw_dtype
   g_picked = jnp.where((targets >= 0) & (targets < v), g_logp, 0.0)
   dlogits_of = _dlogits_sm90 if impl == "cuda_ffi" else _dlogits
 
   def chunk_grads(c0, w_c):
     logits = _det_gemm.det_gemm(hidden, w_c, out_dtype=jnp.float32,
                                 implementation=impl)
-    dlogits = dlogits_of(logits, targets - c0, lse, entropy, g_picked, g_ent,
-                         temperature).astype(hidden.dtype)
+    dlogits = dlogits_of(logits, targets - c0, temps, lse, entropy, g_picked,
+                         g_ent, with_entropy).astype(hidden.dtype)
     dh_c = _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
                               out_dtype=jnp.float32, implementation=impl)
-    return dh_c, _det_gemm._matmul(impl, True, False, weight.dtype, hidden,
+    return dh_c, _det_gemm._matmul(impl, True, False, dw_dtype, hidden,
                                    dlogits)
 
   # A scan, not an unrolled loop: XLA could otherwise schedule several
@@ -161,50 +185,55 @@ def _logp_bwd(impl, temperature, chunk_size, residuals, cotangents):
                                                            axis=1)), None
 
   full = v // chunk_size
-  dh, dw = jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight)
+  dh = jnp.zeros(hidden.shape, jnp.float32)
+  dw = jnp.zeros(weight.shape, dw_dtype)
   if full:  # (a scan traces its body even for zero steps)
     (dh, dw), _ = jax.lax.scan(step, (dh, dw), jnp.arange(full, dtype=jnp.int32))
   if v % chunk_size:
     c0 = full * chunk_size
     dh_c, dw_c = chunk_grads(c0, weight[:, c0:])
     dh, dw = dh + dh_c, dw.at[:, c0:].set(dw_c)
-  return dh.astype(hidden.dtype), dw, None
+  return dh.astype(hidden.dtype), dw
 
 
-def _dlogits(logits, targets, lse, entropy, g_picked, g_ent, temperature):
+def _dlogits(logits, targets, temps, lse, entropy, g_picked, g_ent,
+             with_entropy):
   """d loss / d logits of one chunk (f32) from its raw f32 logits;
   `targets` index the chunk. The arithmetic of the CUDA kernel behind
   ``cuda_ffi.logits_grad``, in XLA ops."""
-  x = logits / jnp.float32(temperature)
+  t = temps[:, None]
+  x = logits / t
   p = jnp.exp(x - lse[:, None])
   onehot = targets[:, None] == jnp.arange(x.shape[1], dtype=jnp.int32)
   d = g_picked[:, None] * (onehot - p)
-  d = d - g_ent[:, None] * p * (x - (lse - entropy)[:, None])
-  return d / jnp.float32(temperature)
+  if with_entropy:
+    d = d - g_ent[:, None] * p * (x - (lse - entropy)[:, None])
+  return d / t
 
 
-def _dlogits_sm90(logits, targets, lse, entropy, g_picked, g_ent, temperature):
+def _dlogits_sm90(logits, targets, temps, lse, entropy, g_picked, g_ent,
+                  with_entropy):
   # A CUDA kernel rather than XLA's fusion: the torch bridge launches the
   # same kernel, so its gradients have these bits (XLA's exp is not torch's).
   # On several devices it runs on each device's rows (an FFI call is opaque
   # to XLA's partitioner, which would gather every row onto every device).
-  args = (logits, targets, lse, entropy, g_picked, g_ent)
+  args = (logits, targets, temps, lse, entropy, g_picked, g_ent)
   if _sharding.multi_device():
-    return _partitioned_dlogits(float(temperature))(*args)[0]
-  return cuda_ffi.logits_grad(*args, temperature=temperature)
+    return _partitioned_dlogits(with_entropy)(*args)[0]
+  return cuda_ffi.logits_grad(*args, with_entropy=with_entropy)
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_dlogits(temperature):
+def _partitioned_dlogits(with_entropy):
   return _sharding.rowwise(
-      lambda *args: (cuda_ffi.logits_grad(*args, temperature=temperature),),
-      ranks=(2, 1, 1, 1, 1, 1), out_ranks=(2,))
+      lambda *args: (cuda_ffi.logits_grad(*args, with_entropy=with_entropy),),
+      ranks=(2, 1, 1, 1, 1, 1, 1), out_ranks=(2,))
 
 
 _logp.defvjp(_logp_fwd, _logp_bwd)
 
 
-def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
+def linear_logp(hidden, weight, targets, *, temperature=1.0,
                 chunk_size: int = 8192, return_entropy: bool = False,
                 ignore_index: int = IGNORE_INDEX,
                 implementation: str | None = None):
@@ -219,10 +248,16 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
       mismatch) gives NaN, so a loss over it is NaN; where the targets are
       host data (numpy, a list, a CPU array outside jit) it raises a
       ValueError naming the id instead. Neither costs a host sync.
-    temperature: static; logits are divided by it.
+    temperature: logits are divided by it: a number (> 0) for the call, or
+      an array of temperatures broadcastable to targets' shape (a sampler's
+      per-sample temperatures, ``[B, 1]`` for ``[B, S]`` targets, or one per
+      token), each > 0 (checked where they are host data). Not
+      differentiated: no gradient flows to it (it passes through
+      ``stop_gradient``), as in verl's and Liger's ops.
     chunk_size: vocabulary chunk of the backward, and of the ``cuda_ffi``
       forward (peak extra memory about ``N x chunk_size`` f32).
     return_entropy: also return the entropy of each row's distribution.
+      Without it no entropy is computed, forward or backward.
     implementation: None (the first of ``cuda_ffi``, ``pallas``, ``xla``
       available here that takes these operands; ``cuda_ffi`` needs an SM90
       GPU, bf16, H, V and chunk_size multiples of 8) or one of those names.
@@ -231,8 +266,11 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
   (per implementation and device).
   """
   host_targets = _host_values(targets)
+  host_temps = _host_values(temperature)
   hidden, weight, targets = map(jnp.asarray, (hidden, weight, targets))
-  _check(hidden, weight, targets, temperature, chunk_size)
+  _check(hidden, weight, targets, chunk_size)
+  check_temperature(temperature, host_temps, targets.shape,
+                    "rlk_jax.linear_logp")
   if host_targets is not None:
     check_target_ids(host_targets, weight.shape[1], ignore_index,
                      "rlk_jax.linear_logp")
@@ -241,9 +279,11 @@ def linear_logp(hidden, weight, targets, *, temperature: float = 1.0,
   impl = TABLE.select(implementation, operands=(
       n, weight.shape[0], weight.shape[1], hidden.dtype, int(chunk_size))).name
   t = jnp.where(targets == ignore_index, -1, targets).astype(jnp.int32)
-  logp, entropy = _logp(impl, float(temperature), int(chunk_size),
+  temps = jax.lax.stop_gradient(jnp.broadcast_to(
+      jnp.asarray(temperature, jnp.float32), lead)).reshape(n)
+  logp, entropy = _logp(impl, int(chunk_size), bool(return_entropy),
                         hidden.reshape(n, hidden.shape[-1]), weight,
-                        t.reshape(n))
+                        t.reshape(n), temps)
   logp, entropy = logp.reshape(lead), entropy.reshape(lead)
   logp = jnp.where(out_of_range(targets, weight.shape[1], ignore_index),
                    jnp.nan, logp)
@@ -270,6 +310,35 @@ def check_target_ids(targets, v, ignore_index, op):
         f"tokenizer match the model?")
 
 
+def check_temperature(temperature, host_values, targets_shape, op):
+  """A temperature is a positive number, or a float array broadcastable to
+  the targets' shape whose values (where they are host data, so no device
+  sync) are all positive. `host_values` is `temperature` as numpy or None;
+  the shape check works on jax and torch arrays alike."""
+  import numpy as np
+  if hasattr(temperature, "dtype"):
+    floating = getattr(temperature.dtype, "is_floating_point", None)  # torch
+    if floating is None:
+      floating = jnp.issubdtype(temperature.dtype, jnp.floating)
+    if not floating:
+      raise TypeError(f"{op}: temperature must be floating point, got "
+                      f"{temperature.dtype}.")
+  shape, targets_shape = tuple(getattr(temperature, "shape", ())), tuple(
+      targets_shape)
+  if shape:
+    try:
+      fits = np.broadcast_shapes(shape, targets_shape) == targets_shape
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f"{op}: temperature of shape {shape} does not "
+                       f"broadcast to the targets' shape "
+                       f"{tuple(targets_shape)}.")
+  if host_values is not None and not (np.asarray(host_values) > 0).all():
+    raise ValueError(f"{op}: temperature must be > 0, got "
+                     f"{np.asarray(host_values).min()} (smallest).")
+
+
 def _host_values(targets):
   """`targets` as numpy when reading them costs no device sync: host data,
   or a committed array on CPU devices; None otherwise (a tracer, a GPU
@@ -286,7 +355,7 @@ def _host_values(targets):
     return None
 
 
-def _check(hidden, weight, targets, temperature, chunk_size):
+def _check(hidden, weight, targets, chunk_size):
   op = "rlk_jax.linear_logp"
   if weight.ndim != 2:
     raise ValueError(f"{op}: weight must be [H, V], got shape {weight.shape}.")
@@ -303,7 +372,5 @@ def _check(hidden, weight, targets, temperature, chunk_size):
                     "must share one of bfloat16, float16, float32.")
   if not jnp.issubdtype(targets.dtype, jnp.integer):
     raise TypeError(f"{op}: targets must be integers, got {targets.dtype}.")
-  if not temperature > 0:
-    raise ValueError(f"{op}: temperature must be > 0, got {temperature}.")
   if int(chunk_size) < 1:
     raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}.")

@@ -95,16 +95,17 @@ def rowwise(local, ranks: tuple[int, ...], out_ranks: tuple[int, ...]):
   return rows
 
 
-def partitioned_rows(local, n_outputs: int):
-  """`local(hidden [N, H], weight [H, V], targets [N])` returning
+def partitioned_rows(local, n_outputs: int, n_row_inputs: int = 1):
+  """`local(hidden [N, H], weight [H, V], *row_inputs)` (`n_row_inputs`
+  arrays ``[N]``: linear_logp's targets and temperatures) returning
   `n_outputs` per-row arrays ``[N]`` (linear_logp's forward), partitioned
   over rows only: each device runs the kernel on its tokens with the whole
   weight. H and V are never split (a split V would combine per-device
   logsumexps: other bits), so the rows are bitwise the unsharded ones."""
 
   @custom_partitioning
-  def rows(hidden, weight, targets):
-    return local(hidden, weight, targets)
+  def rows(hidden, weight, *row_inputs):
+    return local(hidden, weight, *row_inputs)
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -112,11 +113,13 @@ def partitioned_rows(local, n_outputs: int):
     n_axis = spec[0] if len(spec) else None
     row = NamedSharding(mesh, PartitionSpec(n_axis))
     args = (NamedSharding(mesh, PartitionSpec(n_axis, None)),
-            NamedSharding(mesh, PartitionSpec(None, None)), row)
+            NamedSharding(mesh, PartitionSpec(None, None)),
+            *(row,) * n_row_inputs)
     return mesh, local, (row,) * n_outputs, args
 
   rows.def_partition(
       partition,
-      sharding_rule="n h, h v, n -> " + ", ".join(["n"] * n_outputs),
+      sharding_rule="n h, h v" + ", n" * n_row_inputs + " -> "
+                    + ", ".join(["n"] * n_outputs),
       need_replication_factors=("h", "v"))
   return rows

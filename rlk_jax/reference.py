@@ -63,13 +63,17 @@ def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
   return acc.astype(out_dtype)
 
 
-def linear_logp(hidden, weight, targets, temperature=1.0):
+def linear_logp(hidden, weight, targets, temperature=1.0, with_entropy=True):
   """(log-prob of target, logsumexp, entropy) per row, f32, by construction
   row-invariant: the logits come from the K-loop `det_matmul`, the
   logsumexp walks the vocabulary one column at a time (elementwise over rows)
-  and exp and log run at a fixed width (`rowwise`). Targets outside [0, V)
-  get log-prob 0. Holds [N, V] logits: a reference."""
-  logits = det_matmul(hidden, weight, out_dtype=jnp.float32) / jnp.float32(temperature)
+  and exp and log run at a fixed width (`rowwise`). `temperature` is a
+  scalar or each row's (``[N]``). Targets outside [0, V) get log-prob 0; the
+  entropy is NaN without `with_entropy`. Holds [N, V] logits: a
+  reference."""
+  temps = jnp.asarray(temperature, jnp.float32)
+  logits = det_matmul(hidden, weight, out_dtype=jnp.float32)
+  logits = logits / (temps[:, None] if temps.ndim else temps)
   n, v = logits.shape
 
   def column(j, carry):
@@ -78,7 +82,9 @@ def linear_logp(hidden, weight, targets, temperature=1.0):
     m_new = jnp.maximum(m, col)
     scale = rowwise(jnp.exp, m - m_new)
     e = rowwise(jnp.exp, col - m_new)
-    return m_new, s * scale + e, weighted * scale + e * col
+    if with_entropy:
+      weighted = weighted * scale + e * col
+    return m_new, s * scale + e, weighted
 
   zeros = jnp.zeros((n,), jnp.float32)
   m, s, weighted = jax.lax.fori_loop(
@@ -87,7 +93,8 @@ def linear_logp(hidden, weight, targets, temperature=1.0):
   valid = (targets >= 0) & (targets < v)
   picked = jnp.take_along_axis(logits, jnp.clip(targets, 0, v - 1)[:, None],
                                axis=1)[:, 0]
-  return jnp.where(valid, picked - lse, 0.0), lse, lse - weighted / s
+  entropy = lse - weighted / s if with_entropy else jnp.full_like(lse, jnp.nan)
+  return jnp.where(valid, picked - lse, 0.0), lse, entropy
 
 
 def _elementwise(fn, x: jax.Array) -> jax.Array:

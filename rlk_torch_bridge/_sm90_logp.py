@@ -56,14 +56,20 @@ def _int32(targets):
   return targets.to(torch.int32).contiguous()
 
 
+def _f32(t):
+  return t.to(torch.float32).contiguous()
+
+
 def _chunks(v: int, chunk_size: int):
   return ((c0, min(c0 + chunk_size, v)) for c0 in range(0, v, chunk_size))
 
 
 @_on_device_of
-def forward(hidden, weight, targets, temperature: float, chunk_size: int):
+def forward(hidden, weight, targets, temps, chunk_size: int,
+            with_entropy: bool):
   """``(logp, entropy, lse)``, f32 ``[N]`` each: hidden ``[N, H]`` bf16,
-  weight ``[V, H]``, targets int32 ``[N]`` (-1: ignored)."""
+  weight ``[V, H]``, targets int32 ``[N]`` (-1: ignored), temps f32 ``[N]``
+  (each row's temperature); the entropy is NaN without `with_entropy`."""
   n, v = hidden.shape[0], weight.shape[0]
   rows = lambda fill: torch.full((n,), fill, dtype=torch.float32,
                                  device=hidden.device)
@@ -71,40 +77,45 @@ def forward(hidden, weight, targets, temperature: float, chunk_size: int):
     return rows(0.0), rows(0.0), rows(0.0)
   stream = _current_stream_handle(hidden.device.index)
   hidden, weight = hidden.contiguous(), weight.contiguous()
-  targets = _int32(targets)
+  targets, temps = _int32(targets), _f32(temps)
   # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
   stats = (rows(-math.inf), rows(0.0), rows(0.0), rows(0.0))
   for c0, c1 in _chunks(v, chunk_size):
     logits = _product(hidden, weight[c0:c1], False, True, torch.float32)
     chunk_targets = targets - c0
     cuda_ffi.launch_logits_stats(stream, logits.data_ptr(),
-                                 chunk_targets.data_ptr(), _ptrs(*stats), n,
-                                 c1 - c0, temperature)
+                                 chunk_targets.data_ptr(), temps.data_ptr(),
+                                 _ptrs(*stats), n, c1 - c0, with_entropy)
     del logits  # one chunk's logits alive at a time
   logp, lse, entropy = (torch.empty_like(stats[0]) for _ in range(3))
   cuda_ffi.launch_logits_finish(stream, _ptrs(*stats), targets.data_ptr(), n,
-                                v, _ptrs(logp, lse, entropy))
+                                v, with_entropy, _ptrs(logp, lse, entropy))
   return logp, entropy, lse
 
 
 @_on_device_of
-def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
-             temperature: float, chunk_size: int):
+def backward(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
+             chunk_size: int, with_entropy: bool, dw_accumulator=None):
   """``(d hidden [N, H], d weight [V, H])``: rlk_jax's VJP
-  (``_linear_logp._logp_bwd``), product for product."""
+  (``_linear_logp.linear_logp_grads``), product for product. With an f32
+  `dw_accumulator` ``[V, H]`` each chunk's weight gradient is taken in f32
+  and added into it (the caller's micro-batch sum: no bf16 rounding per
+  micro-batch, no second ``[V, H]`` buffer), and d weight is None."""
   (n, h), v = hidden.shape, weight.shape[0]
   if not n:  # a gradient of no rows
-    return torch.zeros_like(hidden), hidden.new_zeros((v, h), dtype=weight.dtype)
+    return torch.zeros_like(hidden), (
+        None if dw_accumulator is not None
+        else hidden.new_zeros((v, h), dtype=weight.dtype))
   stream = _current_stream_handle(hidden.device.index)
   hidden, weight = hidden.contiguous(), weight.contiguous()
   targets = _int32(targets)
-  lse, entropy, g_logp, g_entropy = (
-      t.to(torch.float32).contiguous() for t in (lse, entropy, g_logp,
-                                                 g_entropy))
+  temps, lse, entropy, g_logp, g_entropy = (
+      _f32(t) for t in (temps, lse, entropy, g_logp, g_entropy))
   # A select, as rlk_jax's: the same bits whatever g_logp holds.
   g_picked = torch.where((targets >= 0) & (targets < v), g_logp, 0.0)
   dh = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-  dw = torch.empty((v, h), dtype=weight.dtype, device=weight.device)  # every row written below
+  dw = (None if dw_accumulator is not None else
+        torch.empty((v, h), dtype=weight.dtype, device=weight.device))  # every row written below
   for c0, c1 in _chunks(v, chunk_size):
     w_c = weight[c0:c1]  # [chunk, H], contiguous: read in place
     logits = _product(hidden, w_c, False, True, torch.float32)
@@ -113,10 +124,14 @@ def backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy,
     chunk_targets = targets - c0
     cuda_ffi.launch_logits_grad(
         stream, logits.data_ptr(),
-        _ptrs(chunk_targets, lse, entropy, g_picked, g_entropy), n, c1 - c0,
-        temperature, dlogits.data_ptr())
+        _ptrs(chunk_targets, temps, lse, entropy, g_picked, g_entropy), n,
+        c1 - c0, with_entropy, dlogits.data_ptr())
     del logits
     # rlk_jax sums dh over the chunks in vocabulary order, in f32: so here.
     dh += _product(dlogits, w_c, False, False, torch.float32)
-    dw[c0:c1] = _product(dlogits, hidden, True, False, weight.dtype)
+    if dw is not None:
+      dw[c0:c1] = _product(dlogits, hidden, True, False, weight.dtype)
+    else:
+      dw_accumulator[c0:c1] += _product(dlogits, hidden, True, False,
+                                        torch.float32)
   return dh.to(hidden.dtype), dw

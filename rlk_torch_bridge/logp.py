@@ -21,9 +21,11 @@ def _spec(t: torch.Tensor, transposed: bool = False) -> jax.ShapeDtypeStruct:
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
-                targets: torch.Tensor, *, temperature: float = 1.0,
+                targets: torch.Tensor, *,
+                temperature: float | torch.Tensor = 1.0,
                 chunk_size: int = 8192, return_entropy: bool = False,
-                ignore_index: int = -100, implementation: str | None = None):
+                ignore_index: int = -100, implementation: str | None = None,
+                weight_grad_accumulator: torch.Tensor | None = None):
   """f32 log-probs of `targets` under ``softmax(hidden @ weight.T / T)``.
 
   `weight` is ``lm_head.weight``, ``[V, H]`` (torch's layout, read in place
@@ -35,6 +37,16 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   CPU, so no device sync). Gradients flow to
   `hidden` and `weight`. Runs as the operators ``torch.ops.rlk.linear_logp``
   and ``torch.ops.rlk.linear_logp_backward``.
+
+  `temperature` is a number or a float tensor broadcastable to the targets'
+  shape (per sample, ``[B, 1]`` for ``[B, S]`` targets, or per token), on
+  the targets' device; no gradient flows to it (a tensor that requires one
+  is refused). Without `return_entropy` no entropy is computed, forward or
+  backward. `weight_grad_accumulator`, an f32 tensor of the weight's shape:
+  the weight's gradient is added into it, in f32, in the backward (micro-
+  batches summed without a bf16 rounding each and without a second
+  ``[V, H]`` buffer), and ``weight.grad`` is left alone, as Megatron's
+  ``main_grad``; the operator ``torch.ops.rlk.linear_logp_backward_accumulate``.
   """
   for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
     check_tensor("linear_logp", name, t)
@@ -47,7 +59,10 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
                     f"got {targets.dtype}.")
   if not torch.compiler.is_compiling():  # JAX's dtypes: not for the tracer
     _linear_logp._check(_spec(hidden), _spec(weight, transposed=True),
-                        _spec(targets), temperature, chunk_size)
+                        _spec(targets), chunk_size)
+    _check_temperature(temperature, targets)
+  if weight_grad_accumulator is not None:
+    _logp_op._check_accumulator(weight, weight_grad_accumulator)
   lead = hidden.shape[:-1]
   v = weight.shape[0]
   if not torch.compiler.is_compiling() and targets.device.type == "cpu":
@@ -56,9 +71,30 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   bad = _linear_logp.out_of_range(targets, v, ignore_index)
   # Token ids fit int32; JAX without x64 has no int64.
   targets = torch.where(targets == ignore_index, -1, targets).to(torch.int32)
-  logp, entropy, _ = _library.call(
-      _logp_op.FORWARD, hidden.reshape(-1, hidden.shape[-1]), weight,
-      targets.reshape(-1), float(temperature), int(chunk_size), implementation)
-  logp, entropy = logp.view(lead), entropy.view(lead)
-  logp = torch.where(bad, torch.nan, logp)
-  return (logp, entropy) if return_entropy else logp
+  temps = torch.as_tensor(temperature, dtype=torch.float32,
+                          device=targets.device).expand(lead).reshape(-1)
+  args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+          temps, int(chunk_size), bool(return_entropy), implementation)
+  if (weight_grad_accumulator is not None
+      and _library.needs_grad(hidden, weight)):
+    logp, entropy, _ = _logp_op.LinearLogp.apply(*args,
+                                                 weight_grad_accumulator)
+  else:
+    logp, entropy, _ = _library.call(_logp_op.FORWARD, *args)
+  logp = torch.where(bad, torch.nan, logp.view(lead))
+  return (logp, entropy.view(lead)) if return_entropy else logp
+
+
+def _check_temperature(temperature, targets):
+  op = "rlk_torch_bridge.linear_logp"
+  host = None
+  if isinstance(temperature, torch.Tensor):
+    if temperature.requires_grad:
+      raise ValueError(f"{op}: temperature requires grad, but no gradient "
+                       "flows to it; pass temperature.detach().")
+    check_same_device("linear_logp", temperature=temperature, targets=targets)
+    if temperature.device.type == "cpu":
+      host = temperature.float().numpy()
+  else:
+    host = temperature
+  _linear_logp.check_temperature(temperature, host, tuple(targets.shape), op)

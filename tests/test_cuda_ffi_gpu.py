@@ -388,19 +388,21 @@ def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
   # linear_logp's online logsumexp as a CUDA kernel behind FFI. Two chunks fold into running stats; rows alone give the batch's bits;
   # the stats match float64 sums of everything folded so far.
   from pallas_kernels import linear_logp as pallas_logp
-  n, c, temperature = 1000, 8192 + 136, 0.8
-  fold = jax.jit(functools.partial(cuda_ffi.logits_stats,
-                                   temperature=temperature))
+  n, c = 1000, 8192 + 136
+  temps = jnp.asarray(rng.uniform(0.5, 1.5, n), jnp.float32)  # one a row
+  temperature = np.asarray(temps, np.float64)[:, None]
+  fold = jax.jit(cuda_ffi.logits_stats)
   stats = pallas_logp.initial_stats(n)
   targets = jnp.asarray(rng.integers(-5, c + 5, n), jnp.int32)
   seen = []
   for step in range(2):
     logits = random_array(rng, (n, c), jnp.float32) * 4
-    got = fold(logits, targets, stats)
+    got = fold(logits, targets, temps, stats)
     for m in (1, 3, 100):
       start = int(rng.integers(0, n - m + 1))
       rows = slice(start, start + m)
-      alone = fold(logits[rows], targets[rows], [s[rows] for s in stats])
+      alone = fold(logits[rows], targets[rows], temps[rows],
+                   [s[rows] for s in stats])
       for name, g, a in zip(("max", "sum", "picked", "weighted"), got, alone):
         assert_bitwise_equal(a, g[rows], f"chunk {step} {name} M={m}")
     seen.append(np.asarray(logits, np.float64) / temperature)
@@ -414,6 +416,13 @@ def test_logits_stats_kernel_rows_invariant_and_accurate(rng):
                        ("picked", got[2], picked),
                        ("weighted", got[3], (e * x).sum(1))):
       assert relative_error(g, w) < 1e-5, (step, name)
+    # Without entropy: the same max, sum and picked bits; weighted untouched.
+    plain = jax.jit(functools.partial(cuda_ffi.logits_stats,
+                                      with_entropy=False))(
+        logits, targets, temps, stats)
+    for name, g, p in zip(("max", "sum", "picked"), got[:3], plain[:3]):
+      assert_bitwise_equal(p, g, f"chunk {step} {name} without entropy")
+    assert_bitwise_equal(plain[3], stats[3], "weighted not folded")
     stats = got
 
 
@@ -422,32 +431,46 @@ def test_logits_finish_and_grad_kernels_rows_invariant_and_accurate(rng):
   # d logits as CUDA kernels: against float64, and rows alone give the
   # batch's bits. One chunk holds the whole vocabulary here.
   from pallas_kernels import linear_logp as pallas_logp
-  n, v, temperature = 777, 4096 + 264, 0.7
+  n, v = 777, 4096 + 264
+  temps = jnp.asarray(rng.uniform(0.5, 1.0, n), jnp.float32)  # one a row
+  temperature = np.asarray(temps, np.float64)[:, None]
   logits = random_array(rng, (n, v), jnp.float32) * 4
   targets = jnp.asarray(rng.integers(-3, v + 3, n), jnp.int32)
   g_logp = random_array(rng, (n,), jnp.float32)
   g_entropy = random_array(rng, (n,), jnp.float32)
 
-  @jax.jit
-  def run(logits, targets, g_logp, g_entropy):
-    stats = cuda_ffi.logits_stats(logits, targets,
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(with_entropy, logits, targets, temps, g_logp, g_entropy):
+    stats = cuda_ffi.logits_stats(logits, targets, temps,
                                   pallas_logp.initial_stats(logits.shape[0]),
-                                  temperature=temperature)
-    logp, lse, entropy = cuda_ffi.logits_finish(stats, targets, v)
+                                  with_entropy=with_entropy)
+    logp, lse, entropy = cuda_ffi.logits_finish(stats, targets, v,
+                                                with_entropy=with_entropy)
     valid = (targets >= 0) & (targets < v)
-    d = cuda_ffi.logits_grad(logits, targets, lse, entropy,
+    d = cuda_ffi.logits_grad(logits, targets, temps, lse, entropy,
                              jnp.where(valid, g_logp, 0.0), g_entropy,
-                             temperature=temperature)
+                             with_entropy=with_entropy)
     return logp, lse, entropy, d
 
-  got = run(logits, targets, g_logp, g_entropy)
+  got = run(True, logits, targets, temps, g_logp, g_entropy)
   assert got[3].dtype == jnp.bfloat16 and got[3].shape == (n, v)
   for m in (1, 3, 100):
     start = int(rng.integers(0, n - m + 1))
     rows = slice(start, start + m)
-    alone = run(logits[rows], targets[rows], g_logp[rows], g_entropy[rows])
+    alone = run(True, logits[rows], targets[rows], temps[rows], g_logp[rows],
+                g_entropy[rows])
     for name, g, a in zip(("logp", "lse", "entropy", "dlogits"), got, alone):
       assert_bitwise_equal(a, g[rows], f"{name} M={m}")
+  # Without entropy: NaN entropy, the same logp and lse bits, and the
+  # gradient of a zero entropy cotangent (equal values: only a zero's sign
+  # may differ once the entropy term is dropped).
+  plain = run(False, logits, targets, temps, g_logp, g_entropy)
+  assert np.isnan(np.asarray(plain[2])).all()
+  assert_bitwise_equal(plain[0], got[0])
+  assert_bitwise_equal(plain[1], got[1])
+  zero_ent = run(True, logits, targets, temps, g_logp, jnp.zeros_like(g_logp))
+  np.testing.assert_array_equal(np.asarray(plain[3], np.float32),
+                                np.asarray(zero_ent[3], np.float32))
   t = np.asarray(targets)
   valid = (t >= 0) & (t < v)
   lse, entropy, d = dense_logp_grads(logits, targets,
@@ -464,8 +487,7 @@ def test_logits_finish_and_grad_kernels_rows_invariant_and_accurate(rng):
 
 def test_logits_grad_rejects_chunks_off_its_vector_width():
   logits = jnp.ones((4, 10), jnp.float32)
-  rows = jnp.zeros((4,), jnp.float32)
+  rows = jnp.ones((4,), jnp.float32)
   with pytest.raises(Exception, match="multiple of 4"):
     jax.block_until_ready(cuda_ffi.logits_grad(
-        logits, jnp.zeros((4,), jnp.int32), rows, rows, rows, rows,
-        temperature=1.0))
+        logits, jnp.zeros((4,), jnp.int32), rows, rows, rows, rows, rows))

@@ -119,6 +119,125 @@ def test_backward_is_deterministic_and_row_invariant(impl, rng):
   assert_bitwise_equal(dh_part, dh[10:13])
 
 
+def _per_row_problem(rng, n=96, h=32):
+  hidden, weight, targets = problem(rng, n, jnp.float32, h=h)
+  targets = targets.at[7].set(-100)
+  temps = jnp.asarray(rng.uniform(0.4, 1.6, n), jnp.float32)
+  return hidden, weight, targets, temps
+
+
+def test_per_sample_temperature_against_float64(impl, rng):
+  hidden, weight, targets, temps = _per_row_problem(rng)
+  n = hidden.shape[0]
+  g_logp = random_array(rng, (n,), jnp.float32)
+  g_ent = random_array(rng, (n,), jnp.float32)
+  (logp, ent), vjp = jax.vjp(lambda h, w: rlk_jax.linear_logp(
+      h, w, targets, temperature=temps, return_entropy=True, chunk_size=384,
+      implementation=impl), hidden, weight)
+  dh, dw = vjp((g_logp, g_ent))
+  t64 = np.asarray(temps, np.float64)[:, None]
+  h64, w64 = (np.asarray(x, np.float64) for x in (hidden, weight))
+  logits = h64 @ w64 / t64
+  lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+  p = np.exp(logits - lse[:, None])
+  tg = np.asarray(targets)
+  valid = tg >= 0
+  picked = logits[np.arange(n), np.clip(tg, 0, None)]
+  np.testing.assert_allclose(np.asarray(logp), np.where(valid, picked - lse, 0),
+                             rtol=1e-5, atol=2e-5)
+  mean = (p * logits).sum(1)
+  np.testing.assert_allclose(np.asarray(ent), lse - mean, rtol=1e-4, atol=1e-4)
+  onehot = np.zeros_like(p)
+  onehot[np.arange(n), np.clip(tg, 0, None)] = valid
+  dlogits = (np.asarray(g_logp)[:, None] * valid[:, None] * (onehot - p)
+             - np.asarray(g_ent)[:, None] * p * (logits - mean[:, None])) / t64
+  for got, want in ((dh, dlogits @ w64.T), (dw, h64.T @ dlogits)):
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < 5e-5, err
+
+
+def test_per_sample_temperature_rows_are_per_call_rows(impl, rng):
+  # A row at its own temperature is bitwise that row in a call at that
+  # temperature, alone or in any batch; a [B, 1] per-sequence temperature
+  # broadcasts over the sequence's tokens; a constant vector is the scalar.
+  hidden, weight, targets = problem(rng, 60)
+  temps = jnp.asarray(rng.uniform(0.5, 1.5, 60), jnp.float32)
+  f = functools.partial(rlk_jax.linear_logp, return_entropy=True,
+                        implementation=impl)
+  logp, ent = f(hidden, weight, targets, temperature=temps)
+  for i in (0, 17, 59):
+    one_logp, one_ent = f(hidden[i:i + 1], weight, targets[i:i + 1],
+                          temperature=float(temps[i]))
+    assert_bitwise_equal(one_logp, logp[i:i + 1], f"row {i}")
+    assert_bitwise_equal(one_ent, ent[i:i + 1], f"row {i}")
+  seq_temps = jnp.asarray([[0.6], [1.3], [0.9]], jnp.float32)
+  by_seq = f(hidden.reshape(3, 20, 96), weight, targets.reshape(3, 20),
+             temperature=seq_temps)[0]
+  by_row = f(hidden, weight, targets,
+             temperature=jnp.repeat(seq_temps[:, 0], 20))[0]
+  assert_bitwise_equal(by_seq.reshape(60), by_row)
+  constant = f(hidden, weight, targets, temperature=jnp.full((60,), 0.8))[0]
+  assert_bitwise_equal(constant, f(hidden, weight, targets,
+                                   temperature=0.8)[0])
+
+
+def test_temperature_gets_no_gradient(rng):
+  hidden, weight, targets, temps = _per_row_problem(rng, n=12, h=16)
+  dt = jax.grad(lambda t: jnp.sum(rlk_jax.linear_logp(
+      hidden, weight, targets, temperature=t)))(temps)
+  assert_bitwise_equal(dt, jnp.zeros_like(temps))
+
+
+def test_entropy_only_when_asked(impl, rng):
+  # Without return_entropy the forward folds no entropy statistic (the
+  # routes' entropy output is NaN, not computed) and the backward drops the
+  # entropy term; log-probs are bitwise those computed with the entropy,
+  # gradients those with a zero entropy cotangent (to XLA's rounding of exp,
+  # which differs between fusions on the CPU; the CUDA kernels' gradients
+  # are compared bitwise on the device).
+  hidden, weight, targets, temps = _per_row_problem(rng)
+  n = hidden.shape[0]
+  fn = _linear_logp.TABLE.implementations[impl].fn
+  args = (hidden, weight, jnp.where(targets < 0, -1, targets), temps, 384)
+  without = fn(*args, False)
+  with_ent = fn(*args, True)
+  assert np.isnan(np.asarray(without[2])).all()
+  assert not np.isnan(np.asarray(with_ent[2])).any()
+  for a, b in zip(without[:2], with_ent[:2]):
+    assert_bitwise_equal(a, b)
+  g = random_array(rng, (n,), jnp.float32)
+
+  def grads(return_entropy):
+    def loss(h, w):
+      out = rlk_jax.linear_logp(h, w, targets, temperature=temps,
+                                chunk_size=384, return_entropy=return_entropy,
+                                implementation=impl)
+      return jnp.sum((out[0] if return_entropy else out) * g)
+    return jax.grad(loss, argnums=(0, 1))(hidden, weight)
+
+  for a, b in zip(grads(False), grads(True)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-6
+
+
+def test_weight_gradient_in_f32_for_micro_batch_accumulation(rng):
+  # linear_logp_grads' f32 weight gradient is the bf16 one before its
+  # rounding: rounding it gives the bf16 gradient's bits.
+  hidden, weight, targets = problem(rng, 64)
+  temps = jnp.full((64,), 0.9, jnp.float32)
+  t = jnp.where(targets < 0, -1, targets)
+  logp, lse, ent = _linear_logp._forward("xla", 256, False, hidden, weight, t,
+                                         temps)
+  g = random_array(rng, (64,), jnp.float32)
+  args = ("xla", 256, False, hidden, weight, t, temps, lse, ent, g,
+          jnp.zeros_like(g))
+  dh, dw = _linear_logp.linear_logp_grads(*args)
+  dh32, dw32 = _linear_logp.linear_logp_grads(*args, dw_dtype=jnp.float32)
+  assert dw32.dtype == jnp.float32 and dw.dtype == jnp.bfloat16
+  assert_bitwise_equal(dh32, dh)
+  assert_bitwise_equal(dw32.astype(jnp.bfloat16), dw)
+
+
 def test_bad_inputs(rng):
   hidden, weight, targets = problem(rng, 4)
   with pytest.raises(ValueError, match="must end in H=96"):
@@ -133,6 +252,15 @@ def test_bad_inputs(rng):
     rlk_jax.linear_logp(hidden.astype(jnp.float32), weight, targets)
   with pytest.raises(ValueError, match="temperature must be > 0"):
     rlk_jax.linear_logp(hidden, weight, targets, temperature=0.0)
+  with pytest.raises(ValueError, match=r"temperature must be > 0, got -0.5"):
+    rlk_jax.linear_logp(hidden, weight, targets,
+                        temperature=np.asarray([1.0, -0.5, 1.0, 1.0]))
+  with pytest.raises(ValueError, match=r"temperature of shape \(3,\) does not "
+                     r"broadcast to the targets' shape \(4,\)"):
+    rlk_jax.linear_logp(hidden, weight, targets, temperature=jnp.ones(3))
+  with pytest.raises(TypeError, match="temperature must be floating point"):
+    rlk_jax.linear_logp(hidden, weight, targets,
+                        temperature=jnp.ones(4, jnp.int32))
 
 
 def test_out_of_range_targets_are_nan_under_jit_and_errors_on_host(rng):
@@ -172,25 +300,27 @@ def test_chunked_stats_fold_matches_the_oracle_and_is_row_invariant(chunk, rng):
   hidden = random_array(rng, (n, h), jnp.float32) / 4
   weight = random_array(rng, (h, v), jnp.float32) / 8
   targets = jnp.asarray(rng.integers(-1, v, n), jnp.int32)
+  temps = jnp.asarray(rng.uniform(0.5, 1.5, n), jnp.float32)  # one a row
 
-  def fold(hidden, targets):
+  def fold(hidden, targets, temps):
     logits = reference.det_matmul(hidden, weight, out_dtype=jnp.float32)
     stats = logp_kernel.initial_stats(hidden.shape[0])
     for c0 in range(0, v, chunk):
       stats = logp_kernel.update_stats(logits[:, c0:c0 + chunk], targets - c0,
-                                       stats, temperature=0.7, interpret=True)
+                                       temps, stats, interpret=True)
     return logp_kernel.finish(stats, targets, v, log=functools.partial(
         reference.rowwise, jnp.log))
 
-  got = fold(hidden, targets)
-  logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64) / 0.7
+  got = fold(hidden, targets, temps)
+  logits = (np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)
+            / np.asarray(temps, np.float64)[:, None])
   lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
   p = np.exp(logits - lse[:, None])
   t = np.asarray(targets)
   logp = np.where(t >= 0, logits[np.arange(n), np.clip(t, 0, None)] - lse, 0.0)
   for g, w in zip(got, (logp, lse, lse - (p * logits).sum(1))):
     np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
-  alone = fold(hidden[5:8], targets[5:8])
+  alone = fold(hidden[5:8], targets[5:8], temps[5:8])
   for g, a in zip(got, alone):
     assert_bitwise_equal(a, g[5:8])
 

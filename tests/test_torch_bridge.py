@@ -10,6 +10,7 @@ import torch
 
 import rlk_jax
 import rlk_torch_bridge as rtb
+from rlk_torch_bridge import _logp_op
 from conftest import assert_bitwise_equal
 
 
@@ -193,6 +194,75 @@ def test_linear_logp_same_bits_and_gradients_as_jax(rng):
     assert torch.equal(rtb.linear_logp(hidden, weight, targets, temperature=0.8), logp)
 
 
+def test_linear_logp_per_sample_temperature_same_bits_as_jax(rng):
+  v, h = 50, 32
+  hidden = randn(rng, (3, 7, h)).requires_grad_()
+  weight = (randn(rng, (v, h)) / 8).requires_grad_()
+  targets = torch.from_numpy(rng.integers(0, v, (3, 7)))
+  temps = torch.from_numpy(rng.uniform(0.5, 1.5, (3, 1)).astype(np.float32))
+  logp = rtb.linear_logp(hidden, weight, targets, temperature=temps)
+  g = randn(rng, (3, 7))
+  logp.backward(g)
+  f = lambda hd, w: rlk_jax.linear_logp(
+      hd, w, cpu(targets.to(torch.int32)), temperature=cpu(temps),
+      implementation="xla")
+  want, vjp = jax.jit(lambda hd, w: jax.vjp(f, hd, w))(
+      cpu(hidden), cpu(weight.detach().T.contiguous()))
+  dh, dw = jax.jit(lambda vjp, g: vjp(g))(vjp, cpu(g))
+  assert_bitwise_equal(t2n(logp), np.asarray(want))
+  assert_bitwise_equal(t2n(hidden.grad), np.asarray(dh))
+  assert_bitwise_equal(t2n(weight.grad), np.asarray(dw).T)
+
+
+def test_linear_logp_weight_grad_accumulator_sums_micro_batches_in_f32(rng):
+  # Two micro-batches into one f32 buffer: the f32 sum of the two f32
+  # gradients (each the bf16 gradient before its rounding), weight.grad
+  # untouched, the hidden gradients as without the buffer.
+  v, h = 64, 32
+  weight = (randn(rng, (v, h)) / 8).to(torch.bfloat16).requires_grad_()
+  acc = torch.zeros(v, h, dtype=torch.float32)
+  batches = [(randn(rng, (11, h)).to(torch.bfloat16).requires_grad_(),
+              torch.from_numpy(rng.integers(0, v, 11))) for _ in range(2)]
+  want = torch.zeros(v, h, dtype=torch.float32)
+  for hidden, targets in batches:
+    rtb.linear_logp(hidden, weight, targets,
+                    weight_grad_accumulator=acc).sum().backward()
+    assert weight.grad is None
+    plain_h = hidden.detach().clone().requires_grad_()
+    plain_w = weight.detach().clone().requires_grad_()
+    rtb.linear_logp(plain_h, plain_w, targets).sum().backward()
+    assert torch.equal(hidden.grad, plain_h.grad)
+    one = torch.zeros(v, h, dtype=torch.float32)
+    rtb.linear_logp(plain_h.detach().requires_grad_(), weight.detach(),
+                    targets, weight_grad_accumulator=one).sum().backward()
+    assert torch.equal(one.to(torch.bfloat16), plain_w.grad)  # f32, unrounded
+    want += one
+  assert torch.equal(acc, want)
+  with pytest.raises(ValueError, match=r"weight_grad_accumulator must be f32 "
+                     r"of the weight's shape \(64, 32\), got torch.bfloat16"):
+    rtb.linear_logp(hidden, weight, targets,
+                    weight_grad_accumulator=acc.to(torch.bfloat16))
+
+
+def test_linear_logp_entropy_only_when_asked_and_compiled(rng):
+  v, h = 40, 16
+  hidden = randn(rng, (2, 5, h)).requires_grad_()
+  weight = (randn(rng, (v, h)) / 8).requires_grad_()
+  targets = torch.from_numpy(rng.integers(0, v, (2, 5)))
+  temps = torch.full((2, 1), 0.7)
+  _, entropy, _ = _logp_op.FORWARD(hidden.detach().reshape(10, h),
+                                   weight.detach(), targets.reshape(10).int(),
+                                   temps.expand(2, 5).reshape(10), 8192,
+                                   False, "xla")
+  assert entropy.shape == (0,)  # not computed, not returned
+  logp = rtb.linear_logp(hidden, weight, targets, temperature=temps)
+  with_ent, _ = rtb.linear_logp(hidden, weight, targets, temperature=temps,
+                                return_entropy=True)
+  assert torch.equal(logp, with_ent)
+  compiled = torch.compile(rtb.linear_logp, backend="aot_eager", fullgraph=True)
+  assert torch.equal(compiled(hidden, weight, targets, temperature=temps), logp)
+
+
 def test_linear_logp_errors(rng):
   hidden, weight = randn(rng, (4, 8)), randn(rng, (10, 8))
   with pytest.raises(ValueError, match=r"lm_head.weight \[V, H\], got shape \(80,\)"):
@@ -201,6 +271,16 @@ def test_linear_logp_errors(rng):
     rtb.linear_logp(hidden, weight, torch.zeros(4))
   with pytest.raises(ValueError, match=r"hidden \(4, 7\) must end in H=8"):
     rtb.linear_logp(randn(rng, (4, 7)), weight, torch.zeros(4, dtype=torch.long))
+  targets = torch.zeros(4, dtype=torch.long)
+  with pytest.raises(ValueError, match=r"temperature of shape \(3,\) does not "
+                     r"broadcast to the targets' shape \(4,\)"):
+    rtb.linear_logp(hidden, weight, targets, temperature=torch.ones(3))
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    rtb.linear_logp(hidden, weight, targets,
+                    temperature=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+  with pytest.raises(ValueError, match="temperature requires grad"):
+    rtb.linear_logp(hidden, weight, targets,
+                    temperature=torch.ones(4, requires_grad=True))
 
 
 def test_linear_logp_out_of_range_targets(rng):

@@ -119,15 +119,48 @@ def test_det_linear_rows_invariant_on_cuda():
     assert torch.equal(layer(x[:m]).view(torch.int16), full[:m].view(torch.int16))
 
 
+def test_linear_logp_cuda_entropy_only_when_asked_and_f32_accumulator(rng):
+  # The SM90 torch route without entropy: the log-probs' bits, and the
+  # gradients of a zero entropy cotangent (values; a zero's sign may
+  # differ); the f32 accumulator holds the bf16 gradient before rounding.
+  n, h, v, chunk = 257, 512, 4096 + 1032, 2048
+  hidden = (torch.randn(n, h, device="cuda") / 3).to(torch.bfloat16).requires_grad_()
+  weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+  targets = torch.randint(0, v, (n,), device="cuda")
+  temps = torch.rand(n, 1, device="cuda").squeeze(1) + 0.5
+  g = torch.randn(n, device="cuda")
+  logp = rtb.linear_logp(hidden, weight, targets, temperature=temps,
+                         chunk_size=chunk)
+  logp.backward(g)
+  grads = hidden.grad.clone(), weight.grad.clone()
+  hidden.grad = weight.grad = None
+  logp_e, _ = rtb.linear_logp(hidden, weight, targets, temperature=temps,
+                              chunk_size=chunk, return_entropy=True)
+  logp_e.backward(g)
+  assert torch.equal(logp.view(torch.int32), logp_e.view(torch.int32))
+  assert torch.equal(grads[0], hidden.grad) and torch.equal(grads[1], weight.grad)
+  hidden.grad = weight.grad = None
+  acc = torch.zeros(v, h, device="cuda", dtype=torch.float32)
+  for _ in range(2):
+    rtb.linear_logp(hidden, weight, targets, temperature=temps,
+                    chunk_size=chunk, weight_grad_accumulator=acc).backward(g)
+  assert weight.grad is None
+  assert torch.equal(hidden.grad, 2 * grads[0])  # a power of two: exact
+  assert torch.equal((acc / 2).to(torch.bfloat16), grads[1])
+
+
+@pytest.mark.parametrize("temperature", ["per-sample", 0.7])
 @pytest.mark.parametrize("implementation", [None, "pallas"])
-def test_linear_logp_cuda_same_bits_as_jax(implementation, rng):
+def test_linear_logp_cuda_same_bits_as_jax(implementation, temperature, rng):
   # Forward and backward of both outputs, several vocabulary chunks and a
   # remainder, a temperature and ignored targets: on SM90 the default runs
   # rlk_jax's kernels from torch (_sm90_logp), "pallas" runs JAX through
   # DLPack; both must give the JAX op's bits.
   import functools
   import jax
-  n, h, v, chunk, temperature = 300, 1024, 2 * 4096 + 1808, 4096, 0.7
+  n, h, v, chunk = 300, 1024, 2 * 4096 + 1808, 4096
+  if temperature == "per-sample":
+    temperature = torch.rand(n, device="cuda") + 0.5
   hidden = (torch.randn(n, h, device="cuda") / 3).to(torch.bfloat16).requires_grad_()
   weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
   targets = torch.randint(0, v, (n,), device="cuda")
@@ -138,8 +171,10 @@ def test_linear_logp_cuda_same_bits_as_jax(implementation, rng):
                                   implementation=implementation)
   torch.autograd.backward((logp, entropy), (g, g_ent))
   to_jax = lambda t: jax.dlpack.from_dlpack(t.detach().contiguous())
+  jax_temperature = (to_jax(temperature) if isinstance(temperature, torch.Tensor)
+                     else temperature)
   f = functools.partial(rlk_jax.linear_logp, targets=to_jax(targets.to(torch.int32)),
-                        temperature=temperature, chunk_size=chunk,
+                        temperature=jax_temperature, chunk_size=chunk,
                         return_entropy=True, implementation=implementation)
   (want, want_ent), vjp = jax.jit(lambda a, b: jax.vjp(f, a, b))(
       to_jax(hidden), to_jax(weight.detach().t()))

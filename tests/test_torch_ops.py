@@ -65,12 +65,18 @@ def test_opcheck_linear_logp(rng):
   hidden = randn(rng, (9, 16), requires_grad=True)
   weight = randn(rng, (30, 16), requires_grad=True)
   targets = torch.from_numpy(rng.integers(-1, 30, (9,)).astype(np.int32))
-  torch.library.opcheck(_logp_op.FORWARD, (hidden, weight, targets, 0.7, 8, None))
-  logp, entropy, lse = _logp_op.FORWARD(hidden.detach(), weight.detach(),
-                                        targets, 0.7, 8, "xla")
-  torch.library.opcheck(_logp_op.BACKWARD, (
-      hidden.detach(), weight.detach(), targets, lse, entropy,
-      randn(rng, (9,)), randn(rng, (9,)), 0.7, 8, "xla"))
+  temps = torch.from_numpy(rng.uniform(0.5, 1.5, 9).astype(np.float32))
+  for with_entropy in (True, False):
+    torch.library.opcheck(_logp_op.FORWARD, (hidden, weight, targets, temps,
+                                             8, with_entropy, None))
+    logp, entropy, lse = _logp_op.FORWARD(hidden.detach(), weight.detach(),
+                                          targets, temps, 8, with_entropy,
+                                          "xla")
+    args = (hidden.detach(), weight.detach(), targets, temps, lse, entropy,
+            randn(rng, (9,)), randn(rng, (9,)), 8, with_entropy, "xla")
+    torch.library.opcheck(_logp_op.BACKWARD, args)
+    torch.library.opcheck(_logp_op.ACCUMULATE,
+                          (*args, torch.zeros(30, 16, dtype=torch.float32)))
 
 
 # ---------------------------------------------------------------------------

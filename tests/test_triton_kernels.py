@@ -147,11 +147,14 @@ def _logp_operands(rng, n, h, v, dtype=torch.bfloat16):
   return hidden, weight, targets
 
 
-def _fused_logp(hidden, weight, targets, config, temperature=1.0):
+def _fused_logp(hidden, weight, targets, config, temps=None,
+                with_entropy=True):
   n = hidden.shape[0]
+  temps = torch.ones(n) if temps is None else temps
   outs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-  return linear_logp.linear_logp_torch(hidden, weight, targets, *outs,
-                                       temperature=temperature, config=config)
+  return linear_logp.linear_logp_torch(hidden, weight, targets, temps, *outs,
+                                       with_entropy=with_entropy,
+                                       config=config)
 
 
 LOGP = Config(16, 32, 32, 1, 4, 2)
@@ -162,8 +165,11 @@ LOGP = Config(16, 32, 32, 1, 4, 2)
 def test_fused_logp_accurate(n, h, v, temperature, rng):
   hidden, weight, targets = _logp_operands(rng, n, h, v)
   targets[3] = -100  # ignored: log-prob 0, lse and entropy still computed
-  logp, lse, ent = _fused_logp(hidden, weight, targets, LOGP, temperature)
-  logits = (hidden.double() @ weight.double()) / temperature
+  # Per-row temperatures around the parametrized one.
+  temps = torch.from_numpy(
+      temperature * rng.uniform(0.8, 1.25, n).astype(np.float32))
+  logp, lse, ent = _fused_logp(hidden, weight, targets, LOGP, temps)
+  logits = (hidden.double() @ weight.double()) / temps.double()[:, None]
   want_lse = torch.logsumexp(logits, dim=1)
   p = torch.softmax(logits, dim=1)
   want_ent = want_lse - (p * logits).sum(dim=1)
@@ -174,14 +180,22 @@ def test_fused_logp_accurate(n, h, v, temperature, rng):
     assert torch.isfinite(got).all()
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
   assert logp[3].item() == 0.0
+  # Without entropy: no entropy (NaN), the same log-probs and lse bits.
+  no_ent = _fused_logp(hidden, weight, targets, LOGP, temps,
+                       with_entropy=False)
+  assert torch.isnan(no_ent[2]).all()
+  assert torch.equal(no_ent[0], logp) and torch.equal(no_ent[1], lse)
 
 
 def test_fused_logp_rows_do_not_depend_on_the_batch(rng):
   hidden, weight, targets = _logp_operands(rng, 50, 64, 150)
-  full = _fused_logp(hidden, weight, targets, LOGP)
+  temps = torch.from_numpy(rng.uniform(0.5, 1.5, 50).astype(np.float32))
+  full = _fused_logp(hidden, weight, targets, LOGP, temps)
   for start, rows in ((0, 1), (5, 7), (13, 33)):
-    part = _fused_logp(hidden[start:start + rows].contiguous(), weight,
-                       targets[start:start + rows].contiguous(), LOGP)
+    window = slice(start, start + rows)
+    part = _fused_logp(hidden[window].contiguous(), weight,
+                       targets[window].contiguous(), LOGP,
+                       temps[window].contiguous())
     for got, want in zip(part, full):
       assert torch.equal(got.view(torch.int32),
                          want[start:start + rows].view(torch.int32))
@@ -202,14 +216,14 @@ def test_stats_over_chunks_equal_the_fused_kernel_bitwise(rng):
                             transpose_b=False, config=Config(
                                 LOGP.block_m, LOGP.block_n, LOGP.block_k, 1,
                                 4, 2))
-    linear_logp.update_stats_torch(logits, targets - c0, stats,
-                                   temperature=0.9, config=LOGP)
+    linear_logp.update_stats_torch(logits, targets - c0, torch.full((n,), 0.9),
+                                   stats, config=LOGP)
   m, s, picked, weighted = stats
   # The interpreter's tl.log is numpy's: the same function here.
   lse = m + torch.from_numpy(np.log(s.numpy()))
   logp = picked - lse
   fused_logp, fused_lse, fused_ent = _fused_logp(hidden, weight, targets,
-                                                 LOGP, 0.9)
+                                                 LOGP, torch.full((n,), 0.9))
   assert torch.equal(lse.view(torch.int32), fused_lse.view(torch.int32))
   assert torch.equal(logp.view(torch.int32), fused_logp.view(torch.int32))
   assert torch.equal((lse - weighted / s).view(torch.int32),

@@ -155,18 +155,17 @@ def test_fused_logp_jax_and_torch_launches_share_bits(n, h, v, temperature,
   hidden = random_array(rng, (n, h), jnp.bfloat16) / 3
   weight = (random_array(rng, (h, v), jnp.float32) * 0.02).astype(jnp.bfloat16)
   targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+  temps = jnp.asarray(temperature * rng.uniform(0.8, 1.25, n), jnp.float32)
   cfg = pallas_logp.DEFAULT_CONFIG
-  got = jax.jit(functools.partial(triton_logp.linear_logp,
-                                  temperature=temperature, config=cfg))(
-      hidden, weight, targets)
+  got = jax.jit(functools.partial(triton_logp.linear_logp, config=cfg))(
+      hidden, weight, targets, temps)
   outs = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
   triton_logp.linear_logp_torch(
-      *(torch.from_dlpack(x).contiguous() for x in (hidden, weight, targets)),
-      *outs, temperature=temperature, config=cfg)
+      *(torch.from_dlpack(x).contiguous()
+        for x in (hidden, weight, targets, temps)), *outs, config=cfg)
   torch.cuda.synchronize()
-  want = jax.jit(functools.partial(pallas_logp.linear_logp,
-                                   temperature=temperature, config=cfg))(
-      hidden, weight, targets)
+  want = jax.jit(functools.partial(pallas_logp.linear_logp, config=cfg))(
+      hidden, weight, targets, temps)
   for name, g, t, w in zip(("logp", "lse", "entropy"), got, outs, want):
     assert_bitwise_equal(t.cpu().numpy(), g, f"{name}: torch vs jax-triton")
     assert relative_error(g, w) < 1e-6, f"{name} against the Pallas kernel"
@@ -180,20 +179,19 @@ def test_stats_kernel_jax_and_torch_launches_share_bits(rng):
   cfg = pallas_logp.DEFAULT_CONFIG
   stats = pallas_logp.initial_stats(n)
   targets = jnp.asarray(rng.integers(-5, c + 5, n), jnp.int32)
+  temps = jnp.asarray(rng.uniform(0.6, 1.2, n), jnp.float32)
   for step in range(2):  # a second chunk folds into non-initial stats
     logits = random_array(rng, (n, c), jnp.float32) * 4
-    got = jax.jit(functools.partial(triton_logp.update_stats,
-                                    temperature=0.8, config=cfg))(
-        logits, targets, stats)
+    got = jax.jit(functools.partial(triton_logp.update_stats, config=cfg))(
+        logits, targets, temps, stats)
     in_place = [torch.from_dlpack(s).clone() for s in stats]
     triton_logp.update_stats_torch(
         torch.from_dlpack(logits).contiguous(),
-        torch.from_dlpack(targets).contiguous(), in_place, temperature=0.8,
-        config=cfg)
+        torch.from_dlpack(targets).contiguous(),
+        torch.from_dlpack(temps).contiguous(), in_place, config=cfg)
     torch.cuda.synchronize()
-    want = jax.jit(functools.partial(pallas_logp.update_stats,
-                                     temperature=0.8, config=cfg))(
-        logits, targets, stats)
+    want = jax.jit(functools.partial(pallas_logp.update_stats, config=cfg))(
+        logits, targets, temps, stats)
     for name, g, t, w in zip(("max", "sum", "picked", "weighted"), got,
                              in_place, want):
       assert_bitwise_equal(t.cpu().numpy(), g, f"chunk {step} {name}: torch")

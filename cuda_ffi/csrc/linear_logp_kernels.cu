@@ -20,6 +20,14 @@
 // state is stored, merged in a fixed order (nvcc may contract the merge into
 // FMAs, so other lanes can hold other bits; none is read). The finish and
 // gradient kernels are elementwise over a row's own values.
+//
+// Temperature is per row (`temps`, f32 [N]: a sampler's per-sample
+// temperatures; a call-wide one is a filled vector), read by the row's own
+// threads. Entropy is optional work: without it (`kEntropy` false) the
+// stats kernel skips the sum of exp * logit, the finish writes NaN
+// entropies, and the gradient kernel drops the entropy term, whose
+// cotangent would be zero anyway (the log-prob's bits and gradients are the
+// same either way, but for the sign of a zero).
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -59,17 +67,19 @@ constexpr int kUnroll = 4;  // float4 loads in flight per lane and step
 // into the running stats; `targets` index this chunk (outside [0, c):
 // nothing picked). The outputs may alias the inputs: each row is read, then
 // written, by one lane.
+template <bool kEntropy>
 __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
+                                  const float* temps,
                                   const float* max_in, const float* sum_in,
                                   const float* picked_in,
                                   const float* weighted_in, float* max_out,
                                   float* sum_out, float* picked_out,
-                                  float* weighted_out, int64_t n, int64_t c,
-                                  float temperature) {
+                                  float* weighted_out, int64_t n, int64_t c) {
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n) return;  // a whole warp: the shuffles below stay converged
+  const float temperature = temps[row];
   const float* x = logits + row * c;
   const float4* groups = reinterpret_cast<const float4*>(x);
   const int64_t count = c / kVector;
@@ -105,7 +115,7 @@ __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
         const float xe = v[u * kVector + e];
         const float p = expf(xe - m);
         sum += p;
-        weighted += p * xe;
+        if (kEntropy) weighted += p * xe;
       }
     }
     own = {m, sum, weighted};
@@ -127,12 +137,13 @@ __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
 }
 
 // The finish of a row: lse = max + log(sum); a target outside [0, V) gives
-// log-prob 0; entropy = lse - E[logit]. One thread per row.
+// log-prob 0; entropy = lse - E[logit] (NaN where it was not folded). One
+// thread per row.
 __global__ void LogitsFinishKernel(const float* max, const float* sum,
                                    const float* picked, const float* weighted,
                                    const int32_t* targets, int64_t n,
-                                   int64_t v, float* logp, float* lse,
-                                   float* entropy) {
+                                   int64_t v, bool with_entropy, float* logp,
+                                   float* lse, float* entropy) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x +
                       threadIdx.x;
   if (row >= n) return;
@@ -141,7 +152,7 @@ __global__ void LogitsFinishKernel(const float* max, const float* sum,
   const int32_t t = targets[row];
   logp[row] = (t >= 0 && t < v) ? picked[row] - l : 0.0f;
   lse[row] = l;
-  entropy[row] = l - weighted[row] / s;
+  entropy[row] = with_entropy ? l - weighted[row] / s : NAN;
 }
 
 constexpr int kGradVector = 4;  // columns per thread: one float4 load
@@ -151,13 +162,15 @@ constexpr int kGradVector = 4;  // columns per thread: one float4 load
 // temperature) and each row's lse, entropy and cotangents:
 //   x = logit / T, p = exp(x - lse),
 //   d = g_picked * (onehot - p) - g_entropy * p * (x - (lse - entropy)),
-// divided by T. `targets` index this chunk (outside [0, c): no one-hot);
-// `g_picked` is already 0 on rows whose target is outside the vocabulary.
+// divided by T (the row's). `targets` index this chunk (outside [0, c): no
+// one-hot); `g_picked` is already 0 on rows whose target is outside the
+// vocabulary. Without entropy, `entropy` and `g_entropy` are not read.
 // Every element reads only its own row's values: row-invariant.
+template <bool kEntropy>
 __global__ void LogitsGradKernel(const float* logits, const int32_t* targets,
-                                 const float* lse, const float* entropy,
-                                 const float* g_picked, const float* g_entropy,
-                                 int64_t n, int64_t c, float temperature,
+                                 const float* temps, const float* lse,
+                                 const float* entropy, const float* g_picked,
+                                 const float* g_entropy, int64_t n, int64_t c,
                                  __nv_bfloat16* dlogits) {
   const int64_t vectors = n * (c / kGradVector);
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x +
@@ -167,16 +180,18 @@ __global__ void LogitsGradKernel(const float* logits, const int32_t* targets,
   const int64_t col = (i % (c / kGradVector)) * kGradVector;
   const float4 raw = *reinterpret_cast<const float4*>(logits + row * c + col);
   const float xs[kGradVector] = {raw.x, raw.y, raw.z, raw.w};
+  const float temperature = temps[row];
   const float row_lse = lse[row];
-  const float mean = row_lse - entropy[row];
-  const float gp = g_picked[row], ge = g_entropy[row];
+  const float mean = kEntropy ? row_lse - entropy[row] : 0.0f;
+  const float gp = g_picked[row], ge = kEntropy ? g_entropy[row] : 0.0f;
   const int32_t t = targets[row];
   __nv_bfloat16 out[kGradVector];
   for (int j = 0; j < kGradVector; ++j) {
     const float x = xs[j] / temperature;
     const float p = expf(x - row_lse);
     const float onehot = (t == col + j) ? 1.0f : 0.0f;
-    const float d = gp * (onehot - p) - ge * p * (x - mean);
+    float d = gp * (onehot - p);
+    if (kEntropy) d = d - ge * p * (x - mean);
     out[j] = __float2bfloat16_rn(d / temperature);
   }
   *reinterpret_cast<uint2*>(dlogits + row * c + col) =
@@ -191,42 +206,46 @@ int64_t Blocks(int64_t work, int64_t per_block) {
 
 // The launches both entries share. A zero-row launch launches nothing.
 cudaError_t LaunchStats(cudaStream_t stream, const float* logits,
-                        const int32_t* targets, const float* max_in,
-                        const float* sum_in, const float* picked_in,
-                        const float* weighted_in, float* max_out,
-                        float* sum_out, float* picked_out, float* weighted_out,
-                        int64_t n, int64_t c, float temperature) {
+                        const int32_t* targets, const float* temps,
+                        const float* max_in, const float* sum_in,
+                        const float* picked_in, const float* weighted_in,
+                        float* max_out, float* sum_out, float* picked_out,
+                        float* weighted_out, int64_t n, int64_t c,
+                        bool with_entropy) {
   if (n == 0) return cudaSuccess;
-  LogitsStatsKernel<<<static_cast<unsigned>(Blocks(n, kRowsPerBlock)),
-                      kRowsPerBlock * kWarp, 0, stream>>>(
-      logits, targets, max_in, sum_in, picked_in, weighted_in, max_out,
-      sum_out, picked_out, weighted_out, n, c, temperature);
+  const auto kernel = with_entropy ? LogitsStatsKernel<true>
+                                   : LogitsStatsKernel<false>;
+  kernel<<<static_cast<unsigned>(Blocks(n, kRowsPerBlock)),
+           kRowsPerBlock * kWarp, 0, stream>>>(
+      logits, targets, temps, max_in, sum_in, picked_in, weighted_in, max_out,
+      sum_out, picked_out, weighted_out, n, c);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchFinish(cudaStream_t stream, const float* max,
                          const float* sum, const float* picked,
                          const float* weighted, const int32_t* targets,
-                         int64_t n, int64_t v, float* logp, float* lse,
-                         float* entropy) {
+                         int64_t n, int64_t v, bool with_entropy, float* logp,
+                         float* lse, float* entropy) {
   if (n == 0) return cudaSuccess;
   LogitsFinishKernel<<<static_cast<unsigned>(Blocks(n, kThreads)), kThreads, 0,
                        stream>>>(max, sum, picked, weighted, targets, n, v,
-                                 logp, lse, entropy);
+                                 with_entropy, logp, lse, entropy);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchGrad(cudaStream_t stream, const float* logits,
-                       const int32_t* targets, const float* lse,
-                       const float* entropy, const float* g_picked,
-                       const float* g_entropy, int64_t n, int64_t c,
-                       float temperature, __nv_bfloat16* dlogits) {
+                       const int32_t* targets, const float* temps,
+                       const float* lse, const float* entropy,
+                       const float* g_picked, const float* g_entropy,
+                       int64_t n, int64_t c, bool with_entropy,
+                       __nv_bfloat16* dlogits) {
   if (n == 0 || c == 0) return cudaSuccess;
-  LogitsGradKernel<<<static_cast<unsigned>(
-                         Blocks(n * (c / kGradVector), kThreads)),
-                     kThreads, 0, stream>>>(logits, targets, lse, entropy,
-                                            g_picked, g_entropy, n, c,
-                                            temperature, dlogits);
+  const auto kernel = with_entropy ? LogitsGradKernel<true>
+                                   : LogitsGradKernel<false>;
+  kernel<<<static_cast<unsigned>(Blocks(n * (c / kGradVector), kThreads)),
+           kThreads, 0, stream>>>(logits, targets, temps, lse, entropy,
+                                  g_picked, g_entropy, n, c, dlogits);
   return cudaGetLastError();
 }
 
@@ -290,10 +309,10 @@ const char* RowsError(const char* op, int64_t n,
 }
 
 ffi::Error LogitsStatsFfi(cudaStream_t stream, F32 logits, S32 targets,
-                          F32 max_in, F32 sum_in, F32 picked_in,
+                          F32 temps, F32 max_in, F32 sum_in, F32 picked_in,
                           F32 weighted_in, F32Out max_out, F32Out sum_out,
                           F32Out picked_out, F32Out weighted_out,
-                          float temperature) {
+                          bool with_entropy) {
   int64_t n, c;
   if (const char* e = LogitsShape("logits_stats", logits, n, c)) {
     return ffi::Error::InvalidArgument(e);
@@ -302,23 +321,24 @@ ffi::Error LogitsStatsFfi(cudaStream_t stream, F32 logits, S32 targets,
                                 {max_in.element_count(), sum_in.element_count(),
                                  picked_in.element_count(),
                                  weighted_in.element_count(),
-                                 targets.element_count()})) {
+                                 targets.element_count(),
+                                 temps.element_count()})) {
     return ffi::Error::InvalidArgument(e);
   }
   if (const char* e = StatsShapeError(c)) return ffi::Error::InvalidArgument(e);
   return FfiError(ErrorOf(
       LaunchStats(stream, logits.typed_data(), targets.typed_data(),
-                  max_in.typed_data(), sum_in.typed_data(),
+                  temps.typed_data(), max_in.typed_data(), sum_in.typed_data(),
                   picked_in.typed_data(), weighted_in.typed_data(),
                   max_out->typed_data(), sum_out->typed_data(),
                   picked_out->typed_data(), weighted_out->typed_data(), n, c,
-                  temperature),
+                  with_entropy),
       "logits_stats"));
 }
 
 ffi::Error LogitsFinishFfi(cudaStream_t stream, F32 max, F32 sum, F32 picked,
                            F32 weighted, S32 targets, F32Out logp, F32Out lse,
-                           F32Out entropy, int64_t vocab) {
+                           F32Out entropy, int64_t vocab, bool with_entropy) {
   const int64_t n = static_cast<int64_t>(max.element_count());
   if (const char* e = RowsError("logits_finish", n,
                                 {sum.element_count(), picked.element_count(),
@@ -329,21 +349,24 @@ ffi::Error LogitsFinishFfi(cudaStream_t stream, F32 max, F32 sum, F32 picked,
   return FfiError(ErrorOf(
       LaunchFinish(stream, max.typed_data(), sum.typed_data(),
                    picked.typed_data(), weighted.typed_data(),
-                   targets.typed_data(), n, vocab, logp->typed_data(),
-                   lse->typed_data(), entropy->typed_data()),
+                   targets.typed_data(), n, vocab, with_entropy,
+                   logp->typed_data(), lse->typed_data(),
+                   entropy->typed_data()),
       "logits_finish"));
 }
 
-ffi::Error LogitsGradFfi(cudaStream_t stream, F32 logits, S32 targets, F32 lse,
-                         F32 entropy, F32 g_picked, F32 g_entropy,
+ffi::Error LogitsGradFfi(cudaStream_t stream, F32 logits, S32 targets,
+                         F32 temps, F32 lse, F32 entropy, F32 g_picked,
+                         F32 g_entropy,
                          ffi::Result<ffi::Buffer<ffi::BF16>> dlogits,
-                         float temperature) {
+                         bool with_entropy) {
   int64_t n, c;
   if (const char* e = LogitsShape("logits_grad", logits, n, c)) {
     return ffi::Error::InvalidArgument(e);
   }
   if (const char* e = RowsError("logits_grad", n,
-                                {targets.element_count(), lse.element_count(),
+                                {targets.element_count(), temps.element_count(),
+                                 lse.element_count(),
                                  entropy.element_count(),
                                  g_picked.element_count(),
                                  g_entropy.element_count()})) {
@@ -352,8 +375,9 @@ ffi::Error LogitsGradFfi(cudaStream_t stream, F32 logits, S32 targets, F32 lse,
   if (const char* e = GradShapeError(c)) return ffi::Error::InvalidArgument(e);
   return FfiError(ErrorOf(
       LaunchGrad(stream, logits.typed_data(), targets.typed_data(),
-                 lse.typed_data(), entropy.typed_data(), g_picked.typed_data(),
-                 g_entropy.typed_data(), n, c, temperature,
+                 temps.typed_data(), lse.typed_data(), entropy.typed_data(),
+                 g_picked.typed_data(), g_entropy.typed_data(), n, c,
+                 with_entropy,
                  reinterpret_cast<__nv_bfloat16*>(dlogits->untyped_data())),
       "logits_grad"));
 }
@@ -370,11 +394,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkLogitsStats, rlk::LogitsStatsFfi,
                                   .Arg<rlk::F32>()
                                   .Arg<rlk::F32>()
                                   .Arg<rlk::F32>()
+                                  .Arg<rlk::F32>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("temperature"),
+                                  .Attr<bool>("entropy"),
                               RLK_FFI_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkLogitsFinish, rlk::LogitsFinishFfi,
@@ -388,7 +413,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkLogitsFinish, rlk::LogitsFinishFfi,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("vocab"),
+                                  .Attr<int64_t>("vocab")
+                                  .Attr<bool>("entropy"),
                               RLK_FFI_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkLogitsGrad, rlk::LogitsGradFfi,
@@ -400,48 +426,54 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkLogitsGrad, rlk::LogitsGradFfi,
                                   .Arg<rlk::F32>()
                                   .Arg<rlk::F32>()
                                   .Arg<rlk::F32>()
+                                  .Arg<rlk::F32>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<float>("temperature"),
+                                  .Attr<bool>("entropy"),
                               RLK_FFI_TRAITS);
 
 extern "C" {
 
 // The torch bridge's entries: launch on `stream` (torch's current stream).
 // Return NULL, or a message valid until the next call on this thread. The
-// stats are updated in place (`stats`: max, sum, picked, weighted).
+// stats are updated in place (`stats`: max, sum, picked, weighted);
+// `temps` are the rows' temperatures; `with_entropy` 0 or 1.
 
 const char* rlk_logits_stats(void* stream, const float* logits,
-                             const int32_t* targets, float* max, float* sum,
-                             float* picked, float* weighted, int64_t n,
-                             int64_t c, float temperature) {
+                             const int32_t* targets, const float* temps,
+                             float* max, float* sum, float* picked,
+                             float* weighted, int64_t n, int64_t c,
+                             int with_entropy) {
   if (const char* e = rlk::StatsShapeError(c)) return e;
   return rlk::ErrorOf(
-      rlk::LaunchStats(static_cast<cudaStream_t>(stream), logits, targets, max,
-                       sum, picked, weighted, max, sum, picked, weighted, n, c,
-                       temperature),
+      rlk::LaunchStats(static_cast<cudaStream_t>(stream), logits, targets,
+                       temps, max, sum, picked, weighted, max, sum, picked,
+                       weighted, n, c, with_entropy != 0),
       "logits_stats");
 }
 
 const char* rlk_logits_finish(void* stream, const float* max, const float* sum,
                               const float* picked, const float* weighted,
                               const int32_t* targets, int64_t n, int64_t v,
-                              float* logp, float* lse, float* entropy) {
+                              int with_entropy, float* logp, float* lse,
+                              float* entropy) {
   return rlk::ErrorOf(
       rlk::LaunchFinish(static_cast<cudaStream_t>(stream), max, sum, picked,
-                        weighted, targets, n, v, logp, lse, entropy),
+                        weighted, targets, n, v, with_entropy != 0, logp, lse,
+                        entropy),
       "logits_finish");
 }
 
 const char* rlk_logits_grad(void* stream, const float* logits,
-                            const int32_t* targets, const float* lse,
-                            const float* entropy, const float* g_picked,
-                            const float* g_entropy, int64_t n, int64_t c,
-                            float temperature, void* dlogits) {
+                            const int32_t* targets, const float* temps,
+                            const float* lse, const float* entropy,
+                            const float* g_picked, const float* g_entropy,
+                            int64_t n, int64_t c, int with_entropy,
+                            void* dlogits) {
   if (const char* e = rlk::GradShapeError(c)) return e;
   return rlk::ErrorOf(
-      rlk::LaunchGrad(static_cast<cudaStream_t>(stream), logits, targets, lse,
-                      entropy, g_picked, g_entropy, n, c, temperature,
-                      static_cast<__nv_bfloat16*>(dlogits)),
+      rlk::LaunchGrad(static_cast<cudaStream_t>(stream), logits, targets,
+                      temps, lse, entropy, g_picked, g_entropy, n, c,
+                      with_entropy != 0, static_cast<__nv_bfloat16*>(dlogits)),
       "logits_grad");
 }
 
