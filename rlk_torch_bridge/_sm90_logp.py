@@ -26,6 +26,7 @@ import math
 import torch
 
 import cuda_ffi
+from rlk_jax import _linear_logp
 from rlk_torch_bridge import _gemm_op, _sm90
 from rlk_torch_bridge._dlpack import _current_stream_handle
 
@@ -64,6 +65,8 @@ def _chunks(v: int, chunk_size: int):
   return ((c0, min(c0 + chunk_size, v)) for c0 in range(0, v, chunk_size))
 
 
+
+
 @_on_device_of
 def forward(hidden, weight, targets, temps, chunk_size: int,
             with_entropy: bool):
@@ -81,12 +84,16 @@ def forward(hidden, weight, targets, temps, chunk_size: int,
   # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
   stats = (rows(-math.inf), rows(0.0), rows(0.0), rows(0.0))
   for c0, c1 in _chunks(v, chunk_size):
-    logits = _product(hidden, weight[c0:c1], False, True, torch.float32)
     chunk_targets = targets - c0
-    cuda_ffi.launch_logits_stats(stream, logits.data_ptr(),
-                                 chunk_targets.data_ptr(), temps.data_ptr(),
-                                 _ptrs(*stats), n, c1 - c0, with_entropy)
-    del logits  # one chunk's logits alive at a time
+    for r0, r1 in _linear_logp.row_blocks(n, c1 - c0,
+                                          _linear_logp.LOGITS_BLOCK_BYTES):
+      logits = _product(hidden[r0:r1], weight[c0:c1], False, True,
+                        torch.float32)
+      cuda_ffi.launch_logits_stats(
+          stream, logits.data_ptr(), chunk_targets[r0:r1].data_ptr(),
+          temps[r0:r1].data_ptr(), _ptrs(*(s[r0:r1] for s in stats)),
+          r1 - r0, c1 - c0, with_entropy)
+      del logits  # one block of logits alive at a time
   logp, lse, entropy = (torch.empty_like(stats[0]) for _ in range(3))
   cuda_ffi.launch_logits_finish(stream, _ptrs(*stats), targets.data_ptr(), n,
                                 v, with_entropy, _ptrs(logp, lse, entropy))
@@ -118,17 +125,22 @@ def backward(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
         torch.empty((v, h), dtype=weight.dtype, device=weight.device))  # every row written below
   for c0, c1 in _chunks(v, chunk_size):
     w_c = weight[c0:c1]  # [chunk, H], contiguous: read in place
-    logits = _product(hidden, w_c, False, True, torch.float32)
     dlogits = torch.empty((n, c1 - c0), dtype=hidden.dtype,
                           device=hidden.device)
     chunk_targets = targets - c0
-    cuda_ffi.launch_logits_grad(
-        stream, logits.data_ptr(),
-        _ptrs(chunk_targets, temps, lse, entropy, g_picked, g_entropy), n,
-        c1 - c0, with_entropy, dlogits.data_ptr())
-    del logits
-    # rlk_jax sums dh over the chunks in vocabulary order, in f32: so here.
-    dh += _product(dlogits, w_c, False, False, torch.float32)
+    for r0, r1 in _linear_logp.row_blocks(
+        n, c1 - c0, _linear_logp.BACKWARD_LOGITS_BLOCK_BYTES):
+      logits = _product(hidden[r0:r1], w_c, False, True, torch.float32)
+      block = slice(r0, r1)
+      cuda_ffi.launch_logits_grad(
+          stream, logits.data_ptr(),
+          _ptrs(*(t[block] for t in (chunk_targets, temps, lse, entropy,
+                                     g_picked, g_entropy))),
+          r1 - r0, c1 - c0, with_entropy, dlogits[block].data_ptr())
+      del logits
+      # rlk_jax sums dh over the chunks in vocabulary order, in f32: so
+      # here (a row block's rows are the same rows of the whole product).
+      dh[block] += _product(dlogits[block], w_c, False, False, torch.float32)
     if dw is not None:
       dw[c0:c1] = _product(dlogits, hidden, True, False, weight.dtype)
     else:

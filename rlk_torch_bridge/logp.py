@@ -71,8 +71,12 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   bad = _linear_logp.out_of_range(targets, v, ignore_index)
   # Token ids fit int32; JAX without x64 has no int64.
   targets = torch.where(targets == ignore_index, -1, targets).to(torch.int32)
-  temps = torch.as_tensor(temperature, dtype=torch.float32,
-                          device=targets.device).expand(lead).reshape(-1)
+  # A number is filled on the device (no host copy: CUDA-graph capturable).
+  temps = (temperature.to(device=targets.device, dtype=torch.float32)
+           .expand(lead).reshape(-1)
+           if isinstance(temperature, torch.Tensor) else
+           torch.full((targets.numel(),), float(temperature),
+                      dtype=torch.float32, device=targets.device))
   args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
           temps, int(chunk_size), bool(return_entropy), implementation)
   if (weight_grad_accumulator is not None

@@ -217,7 +217,7 @@ def test_entropy_only_when_asked(impl, rng):
 
   for a, b in zip(grads(False), grads(True)):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-6
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
 
 
 def test_weight_gradient_in_f32_for_micro_batch_accumulation(rng):

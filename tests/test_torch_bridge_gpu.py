@@ -119,6 +119,42 @@ def test_det_linear_rows_invariant_on_cuda():
     assert torch.equal(layer(x[:m]).view(torch.int16), full[:m].view(torch.int16))
 
 
+def test_linear_logp_cuda_row_blocks_keep_bits(monkeypatch):
+  # The SM90 routes hold f32 logits a row block at a time: blocks of 128
+  # rows (two and a remainder here) give the unblocked bits, torch and JAX,
+  # forward and backward.
+  import jax
+  from rlk_jax import _linear_logp
+  n, h, v, chunk = 300, 512, 4096 + 1032, 2048
+  hidden = (torch.randn(n, h, device="cuda") / 3).to(torch.bfloat16).requires_grad_()
+  weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+  targets = torch.randint(0, v, (n,), device="cuda")
+  g, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+  to_jax = lambda t: jax.dlpack.from_dlpack(t.detach().contiguous())
+
+  def run():
+    hidden.grad = weight.grad = None
+    logp, ent = rtb.linear_logp(hidden, weight, targets, temperature=0.9,
+                                chunk_size=chunk, return_entropy=True)
+    torch.autograd.backward((logp, ent), (g, g_ent))
+    f = lambda a, b: rlk_jax.linear_logp(
+        a, b, to_jax(targets.int()), temperature=0.9, chunk_size=chunk,
+        return_entropy=True, implementation="cuda_ffi")
+    out, vjp = jax.vjp(f, to_jax(hidden), to_jax(weight.t()))
+    grads = vjp((to_jax(g), to_jax(g_ent)))
+    return [logp, ent, hidden.grad, weight.grad] + [
+        torch.from_dlpack(a) for a in (*out, *grads)]
+
+  unblocked = run()
+  monkeypatch.setattr(_linear_logp, "LOGITS_BLOCK_BYTES", 1)
+  monkeypatch.setattr(_linear_logp, "BACKWARD_LOGITS_BLOCK_BYTES", 1)
+  assert len(_linear_logp.row_blocks(n, chunk, 1)) == 3
+  for name, a, b in zip(("logp", "entropy", "dh", "dW", "jax logp",
+                         "jax entropy", "jax dh", "jax dW"), run(), unblocked):
+    assert torch.equal(a.contiguous().view(torch.uint8),
+                       b.contiguous().view(torch.uint8)), name
+
+
 def test_linear_logp_cuda_entropy_only_when_asked_and_f32_accumulator(rng):
   # The SM90 torch route without entropy: the log-probs' bits, and the
   # gradients of a zero entropy cotangent (values; a zero's sign may

@@ -24,7 +24,8 @@
 // Temperature is per row (`temps`, f32 [N]: a sampler's per-sample
 // temperatures; a call-wide one is a filled vector), read by the row's own
 // threads. Entropy is optional work: without it (`kEntropy` false) the
-// stats kernel skips the sum of exp * logit, the finish writes NaN
+// stats kernel skips the sum of exp * logit (passing it through as it
+// came), the finish writes NaN
 // entropies, and the gradient kernel drops the entropy term, whose
 // cotangent would be zero anyway (the log-prob's bits and gradients are the
 // same either way, but for the sign of a zero).
@@ -132,7 +133,7 @@ __global__ void LogitsStatsKernel(const float* logits, const int32_t* targets,
   const float picked = (t >= 0 && t < c) ? x[t] / temperature : 0.0f;
   max_out[row] = all.max;
   sum_out[row] = all.sum;
-  weighted_out[row] = all.weighted;
+  weighted_out[row] = kEntropy ? all.weighted : weighted_in[row];
   picked_out[row] = picked_in[row] + picked;
 }
 
