@@ -380,6 +380,34 @@ def logp_time_figure(rows):
                       "V (vocabulary)", "ms per call")
 
 
+def logp_peers_by_n_figure(rows):
+  """The torch route against the fused log-prob peers over N at one (H, V):
+  forward+backward time and the step's memory beyond the gradients (the
+  (H, V) with the most N values in the run)."""
+  rows = select(rows, "logp", lambda r: r["case"].startswith("torch N=")
+                and r["case"].endswith("fwd+bwd") and r["median_ms"])
+  by_hv = collections.defaultdict(list)
+  for r in rows:
+    by_hv[(_param(r["case"], "H"), _param(r["case"], "V"))].append(r)
+  if not by_hv:
+    return None
+  (h, v), rows = max(by_hv.items(),
+                     key=lambda kv: len({_param(r["case"], "N") for r in kv[1]}))
+  if len({_param(r["case"], "N") for r in rows}) < 2:
+    return None
+  panels = {}
+  for value, name in (("median_ms", "forward+backward, ms (log)"),
+                      ("peak_mem_mb", "memory beyond the gradients, MB (log)")):
+    series = collections.defaultdict(list)
+    for r in rows:
+      if r[value]:
+        series[r["implementation"]].append((_param(r["case"], "N"), r[value]))
+    panels[name] = {k: series[k] for k in _ordered(series, ("rlk",))}
+  return _line_panels(panels, rows, f"linear_logp against its peers, "
+                      f"H={h:g} V={v:g}", "N (tokens)", "", logx=True,
+                      logy=True)
+
+
 # ---------------------------------------------------------------- bridge
 
 def bridge_overhead_figure(rows):
@@ -460,6 +488,7 @@ FIGURES = {
     "invariance.png": invariance_figure,
     "logp_memory.png": logp_memory_figure,
     "logp_time.png": logp_time_figure,
+    "logp_peers_by_n.png": logp_peers_by_n_figure,
     "bridge_overhead.png": bridge_overhead_figure,
     "det_gemm_sweep.png": det_gemm_sweep_figure,
     "attention_time.png": attention_figure,

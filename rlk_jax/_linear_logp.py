@@ -99,13 +99,13 @@ def _chunked_sm90(hidden, weight, targets, temps, chunk_size, with_entropy):
 # depend on the blocking: det_gemm's rows never depend on the other rows
 # (M), and the stats and gradient kernels are per row. (The chunk width does
 # set the bits: it is the fold order, and it never depends on N.) Measured
-# on the H100 (2026-11-27, torch route, N=16384, H=4096, V=151936): the
-# forward costs the same at 256 MB blocks as unblocked (37.3 vs 37.7 ms),
-# smaller blocks cost more (32 MB: 44.3 ms; the hoped-for L2 reuse does not
-# pay for the narrower products), and row-blocked dh products cost the
-# backward 4% there (145.6 vs 140.1 ms), so the backward blocks only beyond
-# 1 GiB, where it bounds memory at large N.
-LOGITS_BLOCK_BYTES = 256 << 20
+# on the H100 (2026-11-27, torch route, N=16384, H=4096, V=151936, three
+# rounds interleaved): forward 37.3-38.2 ms at 128 MB blocks, 37.7-38.0 at
+# 256 MB, 36.4-37.8 unblocked; 32 MB blocks cost more (44.3 ms: the
+# hoped-for L2 reuse does not pay for the narrower products). Row-blocked
+# dh products cost the backward 4% there (145.6 vs 140.1 ms), so the
+# backward blocks only beyond 1 GiB, where it bounds memory at large N.
+LOGITS_BLOCK_BYTES = 128 << 20
 BACKWARD_LOGITS_BLOCK_BYTES = 1 << 30
 
 

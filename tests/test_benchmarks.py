@@ -312,3 +312,27 @@ def test_merge_tuned_table_replaces_only_the_runs_keys(tmp_path):
   with pytest.raises(ValueError, match="NVIDIA H200"):
     module.merge({**run, "device": "NVIDIA H200"}, shipped, record="r",
                  note="n")
+
+
+def test_logp_peers_by_n_figure_draws_time_and_memory_over_n():
+  pytest.importorskip("matplotlib")
+  from benchmarks import plots
+
+  def row(n, impl, ms, mb, h=4096, v=151936):
+    return {"benchmark": "logp", "case": f"torch N={n} H={h} V={v} bf16 fwd+bwd",
+            "implementation": impl, "median_ms": ms, "peak_mem_mb": mb,
+            "date": "2026-11-27", "commit": "abc", "device": "H100"}
+
+  rows = [row(n, impl, n / 100 * k, n / 50 * k)
+          for n in (1024, 4096, 16384) for impl, k in (("rlk", 1.0),
+                                                       ("verl", 1.4))]
+  rows.append(row(4096, "rlk", 3.0, 10.0, h=2048, v=32768))  # one N: not drawn
+  fig = plots.logp_peers_by_n_figure(rows)
+  time_ax, memory_ax = fig.axes
+  assert "H=4096 V=151936" in fig._suptitle.get_text()
+  lines = {l.get_label(): l for l in time_ax.get_lines()}
+  assert list(lines) == ["rlk", "verl"]
+  assert list(lines["verl"].get_xdata()) == [1024, 4096, 16384]
+  assert list(lines["rlk"].get_ydata()) == [10.24, 40.96, 163.84]
+  assert [l.get_label() for l in memory_ax.get_lines()] == ["rlk", "verl"]
+  assert plots.logp_peers_by_n_figure(rows[-1:]) is None
