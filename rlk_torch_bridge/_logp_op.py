@@ -134,18 +134,6 @@ def _accumulate_fake(hidden, *_):
   return torch.empty_like(hidden)
 
 
-def _check_accumulator(weight, accumulator):
-  if accumulator.dtype != torch.float32 or accumulator.shape != weight.shape:
-    raise ValueError(
-        f"rlk_torch_bridge.linear_logp: weight_grad_accumulator must be f32 "
-        f"of the weight's shape {tuple(weight.shape)}, got "
-        f"{accumulator.dtype} {tuple(accumulator.shape)}.")
-  if accumulator.device != weight.device:
-    raise ValueError(f"rlk_torch_bridge.linear_logp: weight_grad_accumulator "
-                     f"is on {accumulator.device}, the weight on "
-                     f"{weight.device}.")
-
-
 class LinearLogp(torch.autograd.Function):
   """The op's autograd. With a `dw_accumulator` (the public function's
   weight_grad_accumulator) the weight's gradient is added into it in the

@@ -62,7 +62,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
                         _spec(targets), chunk_size)
     _check_temperature(temperature, targets)
   if weight_grad_accumulator is not None:
-    _logp_op._check_accumulator(weight, weight_grad_accumulator)
+    _check_accumulator(weight, weight_grad_accumulator)
   lead = hidden.shape[:-1]
   v = weight.shape[0]
   if not torch.compiler.is_compiling() and targets.device.type == "cpu":
@@ -102,3 +102,13 @@ def _check_temperature(temperature, targets):
   else:
     host = temperature
   _linear_logp.check_temperature(temperature, host, tuple(targets.shape), op)
+
+
+def _check_accumulator(weight, accumulator):
+  if accumulator.dtype != torch.float32 or accumulator.shape != weight.shape:
+    raise ValueError(
+        f"rlk_torch_bridge.linear_logp: weight_grad_accumulator must be f32 "
+        f"of the weight's shape {tuple(weight.shape)}, got "
+        f"{accumulator.dtype} {tuple(accumulator.shape)}.")
+  check_same_device("linear_logp", weight=weight,
+                    weight_grad_accumulator=accumulator)

@@ -52,6 +52,10 @@ def _synthetic_rows():
              for impl, mb in (("xla_dense", v / 16), ("rlk_pallas", 0.19))]
     rows.append(("logp", f"N=16384 H=4096 V={v} bf16 fwd+bwd", "xla_dense_vjp",
                  20.0, None, 300, v / 4, ""))
+  for n in (1024, 4096):  # bench_logp's torch peers over N
+    rows += [("logp", f"torch N={n} H=4096 V=151936 bf16 fwd+bwd", impl,
+              n / 100 * k, None, None, n / 10 * k, "")
+             for impl, k in (("rlk", 1.0), ("liger_flce", 1.5))]
   bridge = (("rlk_jax", 0.04), ("rlk_torch_bridge", 0.038),
             ("torch_native", 0.014))
   rows += [("bridge", "det_gemm M=16 K=1024 N=1024 bf16 (cuda)", impl, ms,
