@@ -165,20 +165,26 @@ def _forward(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
 # verl and Liger, where the temperature is the sampler's constant.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _logp(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
-  logp, _, entropy = _forward(impl, chunk_size, with_entropy, hidden, weight,
-                              targets, temps)
+  logp, _, entropy = _forward(impl, chunk_size, with_entropy, hidden,
+                              weight.astype(hidden.dtype), targets, temps)
   return logp, entropy
 
 
+# The weight may be f32 master weights beside bf16 or f16 hidden states: the
+# products read it cast to hidden's dtype (so the bits are those of a call
+# with the cast weight), and its cotangent is the f32 gradient before any
+# rounding, so micro-batches sum it in f32 without a rounding each.
 def _logp_fwd(impl, chunk_size, with_entropy, hidden, weight, targets, temps):
-  logp, lse, entropy = _forward(impl, chunk_size, with_entropy, hidden, weight,
-                                targets, temps)
+  logp, lse, entropy = _forward(impl, chunk_size, with_entropy, hidden,
+                                weight.astype(hidden.dtype), targets, temps)
   return (logp, entropy), (hidden, weight, targets, temps, lse, entropy)
 
 
 def _logp_bwd(impl, chunk_size, with_entropy, residuals, cotangents):
-  dh, dw = linear_logp_grads(impl, chunk_size, with_entropy, *residuals,
-                             *cotangents)
+  hidden, weight, *rest = residuals
+  dh, dw = linear_logp_grads(impl, chunk_size, with_entropy, hidden,
+                             weight.astype(hidden.dtype), *rest, *cotangents,
+                             dw_dtype=weight.dtype)
   return dh, dw, None, None
 
 
@@ -277,8 +283,12 @@ def linear_logp(hidden, weight, targets, *, temperature=1.0,
 
   Args:
     hidden: ``[..., H]`` (bf16, f16 or f32).
-    weight: ``[H, V]``, the dtype of hidden. (A torch ``lm_head.weight`` is
-      ``[V, H]``: pass its transpose.)
+    weight: ``[H, V]``, the dtype of hidden, or f32 master weights beside
+      bf16/f16 hidden: the products then read it cast to hidden's dtype (the
+      bits of a call with the cast weight) and its gradient comes back in
+      f32 before any rounding, so micro-batches sum it in f32 without a
+      bf16 rounding each. (A torch ``lm_head.weight`` is ``[V, H]``: pass
+      its transpose.)
     targets: integer ``[...]``; `ignore_index` gives log-prob 0 and no
       gradient. Any other id outside [0, V) (a tokenizer/model vocabulary
       mismatch) gives NaN, so a loss over it is NaN; where the targets are
@@ -403,9 +413,14 @@ def _check(hidden, weight, targets, chunk_size):
                      f"leading shape {hidden.shape[:-1]}.")
   if weight.shape[1] == 0:
     raise ValueError(f"{op}: the vocabulary is empty (weight {weight.shape}).")
-  if hidden.dtype not in _det_gemm.GEMM_DTYPES or hidden.dtype != weight.dtype:
+  master = weight.dtype == jnp.float32 and hidden.dtype in (jnp.bfloat16,
+                                                            jnp.float16)
+  if hidden.dtype not in _det_gemm.GEMM_DTYPES or not (
+      hidden.dtype == weight.dtype or master):
     raise TypeError(f"{op}: hidden ({hidden.dtype}) and weight ({weight.dtype}) "
-                    "must share one of bfloat16, float16, float32.")
+                    "must share one of bfloat16, float16, float32, or the "
+                    "weight be float32 master weights beside bfloat16 or "
+                    "float16 hidden.")
   if not jnp.issubdtype(targets.dtype, jnp.integer):
     raise TypeError(f"{op}: targets must be integers, got {targets.dtype}.")
   if int(chunk_size) < 1:

@@ -54,6 +54,10 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   if weight.ndim != 2:
     raise ValueError(f"rlk_torch_bridge.linear_logp: weight must be "
                      f"lm_head.weight [V, H], got shape {tuple(weight.shape)}.")
+  if weight.dtype != hidden.dtype:
+    raise TypeError(f"rlk_torch_bridge.linear_logp: weight ({weight.dtype}) "
+                    f"must have hidden's dtype ({hidden.dtype}); for an f32 "
+                    f"weight gradient pass weight_grad_accumulator.")
   if targets.dtype.is_floating_point or targets.dtype == torch.bool:
     raise TypeError(f"rlk_torch_bridge.linear_logp: targets must be integers, "
                     f"got {targets.dtype}.")

@@ -342,3 +342,30 @@ def test_rowwise_bits_do_not_depend_on_the_number_of_rows(fn, rng):
     for width in (1, 2, 3):
       assert_bitwise_equal(f(x[start:start + width]), full[start:start + width],
                            f"n={n} rows {start}+{width}")
+
+
+def test_f32_master_weight_gives_an_unrounded_f32_gradient(impl, rng):
+  # bf16 hidden beside f32 master weights: the bits of a call with the
+  # weight cast to bf16, and the weight's gradient in f32 before rounding
+  # (rounding it gives the bf16 call's gradient), so micro-batches sum it
+  # without a bf16 rounding each.
+  hidden, _, targets = problem(rng, 50)
+  master = random_array(rng, (96, V), jnp.float32) * 0.3
+  g = random_array(rng, (50,), jnp.float32)
+
+  def loss(h, w):
+    return jnp.sum(rlk_jax.linear_logp(h, w, targets, temperature=0.9,
+                                       chunk_size=384, implementation=impl) * g)
+
+  (value, (dh, dw)) = jax.value_and_grad(loss, argnums=(0, 1))(hidden, master)
+  (want, (dh_b, dw_b)) = jax.value_and_grad(loss, argnums=(0, 1))(
+      hidden, master.astype(jnp.bfloat16))
+  assert dw.dtype == jnp.float32 and dw_b.dtype == jnp.bfloat16
+  assert_bitwise_equal(value, want)
+  assert_bitwise_equal(dh, dh_b)
+  assert_bitwise_equal(dw.astype(jnp.bfloat16), dw_b)
+  assert not np.array_equal(np.asarray(dw),
+                            np.asarray(dw_b.astype(jnp.float32)))  # unrounded
+  with pytest.raises(TypeError, match="master weights"):
+    rlk_jax.linear_logp(hidden.astype(jnp.float32), master.astype(jnp.bfloat16),
+                        targets)

@@ -269,6 +269,9 @@ def test_linear_logp_errors(rng):
     rtb.linear_logp(hidden, weight.reshape(-1), torch.zeros(4, dtype=torch.long))
   with pytest.raises(TypeError, match="targets must be integers"):
     rtb.linear_logp(hidden, weight, torch.zeros(4))
+  with pytest.raises(TypeError, match=r"weight \(torch.float32\) must have "
+                     r"hidden's dtype \(torch.bfloat16\)"):
+    rtb.linear_logp(hidden.bfloat16(), weight, torch.zeros(4, dtype=torch.long))
   with pytest.raises(ValueError, match=r"hidden \(4, 7\) must end in H=8"):
     rtb.linear_logp(randn(rng, (4, 7)), weight, torch.zeros(4, dtype=torch.long))
   targets = torch.zeros(4, dtype=torch.long)
