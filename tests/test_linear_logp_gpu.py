@@ -82,3 +82,24 @@ def test_sm90_default_on_hopper():
   if getattr(jax.devices()[0], "compute_capability", "") != "9.0":
     pytest.skip("not an SM90 GPU")
   assert rlk_jax.selected_implementation("linear_logp") == "cuda_ffi"
+
+
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_f32_master_weight_on_the_gpu_routes(impl, rng):
+  # f32 master weights: the bf16-weight call's bits, and the weight's f32
+  # gradient that rounds to the bf16 call's (the products' f32 output).
+  hidden = random_array(rng, (300, 1024), jnp.bfloat16) / 3
+  master = random_array(rng, (1024, 4096 + 1032), jnp.float32) * 0.02
+  targets = jnp.asarray(rng.integers(0, 4096 + 1032, 300), jnp.int32)
+  temps = jnp.asarray(rng.uniform(0.5, 1.5, 300), jnp.float32)
+  g = random_array(rng, (300,), jnp.float32)
+  loss = lambda h, w: jnp.sum(rlk_jax.linear_logp(
+      h, w, targets, temperature=temps, chunk_size=2048,
+      implementation=impl) * g)
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  value, (dh, dw) = grad(hidden, master)
+  want, (dh_b, dw_b) = grad(hidden, master.astype(jnp.bfloat16))
+  assert dw.dtype == jnp.float32
+  assert_bitwise_equal(value, want)
+  assert_bitwise_equal(dh, dh_b)
+  assert_bitwise_equal(dw.astype(jnp.bfloat16), dw_b)
