@@ -15,14 +15,6 @@ if not ON_GPU:
   os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(items):
-  # Tests marked `long` (minutes each: nvcc, the benchmark smoke, notebooks)
-  # go first. pytest-xdist's worksteal hands each worker a contiguous share
-  # of this order and lets idle workers take the rest, so the long ones
-  # overlap everything else instead of one of them running alone at the end.
-  items.sort(key=lambda item: item.get_closest_marker("long") is None)
-
-
 @pytest.fixture
 def rng(request):
   """A fresh generator per test; the seed is printed so a failure reproduces.

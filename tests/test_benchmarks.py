@@ -56,7 +56,6 @@ def test_interleaved_timing_falls_back_to_whole_batches_in_noise():
   assert 15 < per_call < 35  # the 4-call batch: 80 ms over 4 calls
 
 
-@pytest.mark.long
 def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
   out = tmp_path / "out"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -128,7 +128,6 @@ def test_build_reports_a_missing_toolchain(monkeypatch, tmp_path):
     build.find_nvcc()
 
 
-@pytest.mark.long
 @pytest.mark.skipif(build.toolchain_reason() is not None,
                     reason=f"no CUDA toolchain here: {build.toolchain_reason()}")
 def test_sources_compile_for_sm90a():

@@ -202,7 +202,6 @@ def test_kernel_is_this_interpreter():
   assert os.path.realpath(_kernel_python()) == os.path.realpath(sys.executable)
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("name", ["xla_vs_cublas_vs_rlk", "pack"])
 def test_notebook_runs(name, monkeypatch):
   nbformat, NotebookClient = _notebook_client()

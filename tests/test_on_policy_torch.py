@@ -87,7 +87,6 @@ def test_eager_attention_implementation(family, attn):
                  f"{family} ({attn}) trainer vs rollout")
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("family,compile_kwargs", [
     ("llama", {}), ("llama", {"fullgraph": True}), ("llama", {"dynamic": True}),
     ("gemma2", {})] if ON_GPU else [("llama", {})])

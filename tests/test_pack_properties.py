@@ -50,7 +50,6 @@ def check_case(case, impl):
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.long
 @settings(max_examples=60, **_SETTINGS)
 @given(packing_case())
 def test_xla_matches_numpy(case):
