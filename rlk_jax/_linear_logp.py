@@ -88,8 +88,7 @@ def _chunked_sm90(hidden, weight, targets, temps, chunk_size, with_entropy):
       blocks.append(cuda_ffi.logits_stats(
           logits, targets[r0:r1] - c0, temps[r0:r1],
           [s[r0:r1] for s in stats], with_entropy=with_entropy))
-    stats = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-                  for parts in zip(*blocks))
+    stats = tuple(map(jnp.concatenate, zip(*blocks)))
   return cuda_ffi.logits_finish(stats, targets, v, with_entropy=with_entropy)
 
 
@@ -209,7 +208,7 @@ def linear_logp_grads(impl, chunk_size, with_entropy, hidden, weight, targets,
       parts.append(dlogits_of(
           logits, targets[rows] - c0, temps[rows], lse[rows], entropy[rows],
           g_picked[rows], g_ent[rows], with_entropy).astype(hidden.dtype))
-    dlogits = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    dlogits = jnp.concatenate(parts)  # (one block: no copy)
     dh_c = _det_gemm.det_gemm(dlogits, w_c, transpose_b=True,
                               out_dtype=jnp.float32, implementation=impl)
     return dh_c, _det_gemm._matmul(impl, True, False, dw_dtype, hidden,

@@ -118,10 +118,6 @@ def _grads(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
   return dh, None
 
 
-def _backward_kernel(*args):
-  return _grads(*args)
-
-
 def _backward_fake(hidden, weight, *_):
   return torch.empty_like(hidden), weight.new_empty(weight.shape)
 
@@ -177,7 +173,7 @@ def _differentiable(hidden, weight, *_):
 FORWARD = _library.define("linear_logp", FORWARD_SCHEMA, _forward_kernel,
                           _forward_fake, LinearLogp, _differentiable)
 BACKWARD = _library.define("linear_logp_backward", BACKWARD_SCHEMA,
-                           _backward_kernel, _backward_fake)
+                           _grads, _backward_fake)
 ACCUMULATE = _library.define("linear_logp_backward_accumulate",
                              ACCUMULATE_SCHEMA, _accumulate_kernel,
                              _accumulate_fake)
