@@ -33,6 +33,11 @@ PACK_ROWS_TARGET = "rlk_pack_rows"
 LOGITS_STATS_TARGET = "rlk_logits_stats"
 LOGITS_FINISH_TARGET = "rlk_logits_finish"
 LOGITS_GRAD_TARGET = "rlk_logits_grad"
+ATTENTION_FORWARD_TARGET = "rlk_attention_forward_sm90"
+# det_attention's Hopper forward: the head dims it takes and its tile rows
+# (the Triton forward's, whose tile map it reads).
+ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_TILE_ROWS = 128
 # Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
 # "auto" lets the library's analytic rule choose by shape. Every config gives
 # the same bits (device-tested); rlk_jax chooses among them by measurement.
@@ -109,7 +114,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                              (PACK_ROWS_TARGET, lib.RlkPackRows),
                              (LOGITS_STATS_TARGET, lib.RlkLogitsStats),
                              (LOGITS_FINISH_TARGET, lib.RlkLogitsFinish),
-                             (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad)):
+                             (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad),
+                             (ATTENTION_FORWARD_TARGET,
+                              lib.RlkAttentionForwardSm90)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                     platform="CUDA")
     except AttributeError as e:  # a library built from older sources
@@ -155,6 +162,10 @@ def _declare(lib: ctypes.CDLL) -> None:
       (lib.rlk_logits_finish, [vp] * 6 + [i64, i64, ctypes.c_int] + [vp] * 3),
       (lib.rlk_logits_grad, [vp] * 8 + [i64, i64, ctypes.c_int, vp])):
     entry.restype, entry.argtypes = ctypes.c_char_p, argtypes
+  lib.rlk_attention_forward_sm90.restype = ctypes.c_char_p
+  lib.rlk_attention_forward_sm90.argtypes = ([vp] * 8 + [i64] * 13
+                                             + [ctypes.c_float, i64,
+                                                ctypes.c_int])
   lib.rlk_row_reduce.restype = ctypes.c_char_p
   lib.rlk_row_reduce.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_float,
                                  ctypes.c_int]
@@ -530,6 +541,46 @@ def launch_logits_grad(stream: int, logits_ptr: int, row_ptrs, n: int, c: int,
   lse, entropy, g_picked, g_entropy in that order."""
   _checked(library().rlk_logits_grad(stream, logits_ptr, *row_ptrs, n, c,
                                      int(with_entropy), out_ptr))
+
+
+# ----------------------------------------------------------------------------
+# det_attention's Hopper forward (the Triton forward's bits: its tile map,
+# blocks, chunks and arithmetic; triton_kernels.attention says why a row's
+# bits depend on nothing else)
+
+
+def attention_forward(q, k, v, seqs, tiles, *, scale2: float,
+                      window: int | None):
+  """(out [Tq, Hq, D] in q's dtype, lse f32 [Tq, Hq]) of q ``[Tq, Hq, D]``
+  against k, v ``[Tk, Hkv, D]`` (bf16 or f16, D 64 or 128), `seqs` int32
+  ``[4, B]`` (q_start, q_len, k_start, k_len) and `tiles` int32 ``[2,
+  n_tiles]`` (the Triton forward's map of 128-row tiles); `scale2` is the
+  softmax scale times log2(e). Rows no tile covers are not written."""
+  import jax
+  import jax.numpy as jnp
+  library()
+  call = jax.ffi.ffi_call(
+      ATTENTION_FORWARD_TARGET,
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
+      vmap_method="sequential")
+  return call(q, k, v, seqs, tiles, scale2=np.float32(scale2),
+              window=np.int64(window or 0))
+
+
+def launch_attention_forward(stream: int, q, k, v, seqs, tiles, out, lse, *,
+                             k_rows: int, scale2: float, window: int | None,
+                             half: bool) -> None:
+  """`attention_forward` on torch tensors' pointers and strides (rows of
+  ``[T, H, D]`` with any token and head stride, D contiguous; k and v may
+  be ``[B, S, Hkv, D]`` read in place, `k_rows` rows in all)."""
+  tq, hq, d = q.shape
+  _checked(library().rlk_attention_forward_sm90(
+      stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), seqs.data_ptr(),
+      tiles.data_ptr(), out.data_ptr(), lse.data_ptr(), seqs.shape[1],
+      tiles.shape[1], hq, k.shape[-2], d, tq, q.stride(-3), q.stride(-2),
+      k_rows, k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
+      scale2, window or 0, int(half)))
 
 
 ROW_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # the entry's codes

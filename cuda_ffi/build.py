@@ -36,6 +36,8 @@ PACK_SOURCES = (CSRC / "pack_rows_kernels.cu", CSRC / "pack_rows_api.cc")
 LOGP_SOURCE = CSRC / "linear_logp_kernels.cu"
 # The row sum/mean (an RMSNorm's reduction) and its C entry, one file.
 ROW_REDUCE_SOURCE = CSRC / "row_reduce_kernels.cu"
+# det_attention's Hopper forward, its XLA handler and C entry, one file.
+ATTENTION_SOURCE = CSRC / "attention_sm90_kernels.cu"
 LIBRARY_NAME = "librlk_cuda_ffi.so"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
@@ -236,6 +238,9 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
   commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
                    "-c", str(LOGP_SOURCE),
                    "-o", str(out_dir / "linear_logp_kernels.o")])
+  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
+                   "-c", str(ATTENTION_SOURCE),
+                   "-o", str(out_dir / "attention_sm90_kernels.o")])
   commands.append([nvcc, *NVCC_FLAGS, "-c", str(ROW_REDUCE_SOURCE),
                    "-o", str(out_dir / "row_reduce_kernels.o")])
   # Host code, compiled through nvcc so CUDA's headers are found wherever

@@ -93,6 +93,35 @@ def _triton_fwd(q, k, v, seqs, settings: Settings):
                              config, hpt, settings.split_chunks)
 
 
+def sm90_takes(settings: Settings, dtype) -> bool:
+  """Whether the Hopper forward runs this call (else the Triton kernels:
+  the same bits). It takes the training and prefill forward, not a split
+  decode step or a logit softcap, at head dims 64 and 128."""
+  import cuda_ffi
+  return (settings.split_chunks == 0 and settings.softcap is None
+          and settings.heads_per_tile == 1
+          and settings.head_dim in cuda_ffi.ATTENTION_HEAD_DIMS
+          and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+
+
+def _sm90_fwd(q, k, v, seqs, settings: Settings):
+  if not sm90_takes(settings, q.dtype):
+    return _triton_fwd(q, k, v, seqs, settings)
+  import cuda_ffi
+  kernels = _kernels()
+  rows = cuda_ffi.ATTENTION_TILE_ROWS
+  tiles = _tile_map(seqs[1], rows, kernels.tile_bound(q.shape[0],
+                                                      seqs.shape[1], rows))
+  return cuda_ffi.attention_forward(
+      q, k, v, seqs, tiles, scale2=_statics(settings).constants()["scale2"],
+      window=settings.window)
+
+
+def _sm90_reason(platform: str) -> str | None:
+  import cuda_ffi
+  return cuda_ffi.unavailable_reason(platform) or triton_backend.unavailable_reason(platform)
+
+
 def covered_rows(starts, lengths, n: int):
   """bool [n]: rows inside some [start, start + length) (sequences never
   overlap): a difference array and its prefix sum, O(n + B)."""
@@ -105,8 +134,8 @@ def covered_rows(starts, lengths, n: int):
 def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
   kernels = _kernels()
   config = kernels.config_for(settings.head_dim)
-  q_tiles = _tile_map(seqs[1], config.bwd_block_m, kernels.tile_bound(
-      q.shape[0], seqs.shape[1], config.bwd_block_m))
+  q_tiles = _tile_map(seqs[1], config.dq_tiles()[0], kernels.tile_bound(
+      q.shape[0], seqs.shape[1], config.dq_tiles()[0]))
   k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
       k.shape[0], seqs.shape[1], config.bwd_block_n))
   dq, dk, dv = kernels.backward_jax(q, k, v, out, lse, g, seqs, q_tiles,
@@ -145,8 +174,13 @@ TABLE = _dispatch.register(_dispatch.OpTable(
             triton_backend.unavailable_reason,
             "@triton.jit flash-style kernels through jax-triton (and natively "
             "from torch); CUDA GPUs"),
+        "cuda_ffi": _dispatch.Implementation(
+            "cuda_ffi", (_sm90_fwd, _triton_bwd), _sm90_reason,
+            "Hopper (sm_90a): a warp-specialised wgmma/TMA forward with the "
+            "Triton forward's bits (the Triton kernels for what it does not "
+            "take: decode steps, softcap, head dim 256, and the backward)"),
     },
-    preference={"cpu": ("xla",), "gpu": ("triton", "xla")},
+    preference={"cpu": ("xla",), "gpu": ("cuda_ffi", "triton", "xla")},
 ))
 
 

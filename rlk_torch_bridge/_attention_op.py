@@ -42,6 +42,12 @@ def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0):
                              heads_per_tile, split_chunks)
 
 
+# The implementations whose kernels launch natively on torch's stream: the
+# Triton kernels, and the Hopper forward (with the Triton kernels for the
+# rest).
+KERNEL_ROUTES = ("triton", "cuda_ffi")
+
+
 @functools.lru_cache(maxsize=64)
 def choose(implementation, platform) -> str:
   return _attention.TABLE.select(implementation, platform).name
@@ -130,7 +136,7 @@ def readable_in_place(k, v, implementation) -> bool:
   CUDA calls on the Triton kernels; traced calls keep the rows (Inductor
   lays out what it produces itself)."""
   if (not k.is_cuda or torch.compiler.is_compiling()
-      or choose(implementation, "gpu") != "triton"):
+      or choose(implementation, "gpu") not in KERNEL_ROUTES):
     return False
   ks, vs = k.stride(), v.stride()
   # Batch rows a whole number of token strides apart, the same for k and v
@@ -167,7 +173,10 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
                     split_chunks, implementation):
   impl = choose(implementation, platform_of(q))
   s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
-  if impl == "triton" and q.is_cuda:
+  if (impl == "cuda_ffi" and q.is_cuda
+      and _attention.sm90_takes(s, _jax_dtype(q.dtype))):
+    return _sm90_forward(q, k, v, seqs, s)
+  if impl in KERNEL_ROUTES and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
     tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
@@ -190,6 +199,36 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
   return to_torch_all(out, lse)
 
 
+def _jax_dtype(dtype):
+  return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+      dtype, "float32")
+
+
+def _key_rows(k) -> int:
+  """How many rows the kernels may address in k: [Tk, Hkv, D] rows, or a
+  [B, S, Hkv, D] view read in place (batch row b's token t is row b *
+  stride(0) / stride(1) + t)."""
+  if not in_place(k):
+    return k.shape[0]
+  return (k.shape[0] - 1) * (k.stride(0) // k.stride(1)) + k.shape[1]
+
+
+def _sm90_forward(q, k, v, seqs, s):
+  import cuda_ffi
+  from triton_kernels import attention as kernels
+  rows = cuda_ffi.ATTENTION_TILE_ROWS
+  tiles = _tile_map(seqs[1], rows, kernels.tile_bound(q.shape[0],
+                                                      seqs.shape[1], rows))
+  out = torch.empty_like(q)
+  lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+  cuda_ffi.launch_attention_forward(
+      torch.cuda.current_stream(q.device).cuda_stream, q, k, v, seqs, tiles,
+      out, lse, k_rows=_key_rows(k),
+      scale2=_attention._statics(s).constants()["scale2"], window=s.window,
+      half=q.dtype == torch.float16)
+  return out, lse
+
+
 def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
                   split_chunks, implementation):
   return (torch.empty_like(q),
@@ -199,11 +238,11 @@ def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
 def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
                      implementation):
   s = settings(q, k, scale, softcap, window, 1)
-  if implementation == "triton" and q.is_cuda:
+  if implementation in KERNEL_ROUTES and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
-    q_tiles = _tile_map(seqs[1], config.bwd_block_m, kernels.tile_bound(
-        q.shape[0], seqs.shape[1], config.bwd_block_m))
+    q_tiles = _tile_map(seqs[1], config.dq_tiles()[0], kernels.tile_bound(
+        q.shape[0], seqs.shape[1], config.dq_tiles()[0]))
     k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
         k.numel() // k.shape[-1] // k.shape[-2], seqs.shape[1],
         config.bwd_block_n))

@@ -1,7 +1,8 @@
 """det_attention's contract, bitwise, through every route that runs here:
 rlk_jax and rlk_torch_bridge, the ``xla`` reference on CPUs (the torch route
 through DLPack), the Triton kernels on GPUs (jax-triton, and torch's own
-launcher). A row's output and gradients alone, in a ragged pack, in a padded
+launcher) and the Hopper forward (``cuda_ffi``, whose bits are the Triton
+forward's). A row's output and gradients alone, in a ragged pack, in a padded
 batch (either side) and token by token against a KV cache: the same bits.
 Accuracy against float64. (The kernels themselves on CPU, in Triton's
 interpreter: test_attention_triton.py.)"""
@@ -21,12 +22,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import rlk_torch_bridge as rtb  # noqa: E402
 
-IMPL = "triton" if ON_GPU else "xla"
+# On a GPU every route runs twice: the Triton kernels, and the Hopper
+# forward (its decode steps and backward on the Triton kernels), so a decode
+# step against a cache is checked against the Hopper kernel's prefill.
+IMPLS = ("triton", "cuda_ffi") if ON_GPU else ("xla",)
+IMPL = IMPLS[0]
 TOL = 1e-2  # bf16 operands and output
 
 
 class JaxRoute:
   name = "jax"
+
+  def __init__(self, impl=IMPL):
+    self.impl = impl
 
   def array(self, x, dtype=jnp.bfloat16):
     return jnp.asarray(x, dtype)
@@ -35,7 +43,7 @@ class JaxRoute:
     return jnp.asarray(x, jnp.int32)
 
   def attend(self, q, k, v, **kw):
-    return rlk_jax.det_attention(q, k, v, implementation=IMPL, **kw)
+    return rlk_jax.det_attention(q, k, v, implementation=self.impl, **kw)
 
   def grads(self, q, k, v, g, **kw):
     _, vjp = jax.vjp(lambda q, k, v: self.attend(q, k, v, **kw), q, k, v)
@@ -45,6 +53,9 @@ class JaxRoute:
 class TorchRoute:
   name = "torch"
   device = "cuda" if ON_GPU else "cpu"
+
+  def __init__(self, impl=IMPL):
+    self.impl = impl
 
   def array(self, x, dtype=torch.bfloat16):
     return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, dtype)
@@ -56,7 +67,7 @@ class TorchRoute:
   def attend(self, q, k, v, **kw):
     if "mask" in kw:
       kw["mask"] = torch.as_tensor(np.asarray(kw["mask"]), device=self.device)
-    return rtb.det_attention(q, k, v, implementation=IMPL, **kw)
+    return rtb.det_attention(q, k, v, implementation=self.impl, **kw)
 
   def grads(self, q, k, v, g, **kw):
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
@@ -64,9 +75,12 @@ class TorchRoute:
     return q.grad, k.grad, v.grad
 
 
-@pytest.fixture(params=[JaxRoute, TorchRoute], ids=["jax", "torch"])
+@pytest.fixture(params=[(r, impl) for r in (JaxRoute, TorchRoute)
+                        for impl in IMPLS],
+                ids=[f"{r}-{impl}" for r in ("jax", "torch") for impl in IMPLS])
 def route(request):
-  return request.param()
+  cls, impl = request.param
+  return cls(impl)
 
 
 def _same(a, b) -> bool:
@@ -240,13 +254,18 @@ def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
 
 
 def test_jax_equals_torch(rng):
+  """And on a GPU, every implementation the same bits (the Hopper forward
+  and the Triton kernels), from either framework."""
   hq, hkv, d = HEADS
-  seqs = sequences(rng, [19, 30], hq, hkv, d)
+  seqs = sequences(rng, [19, 300, 30] if ON_GPU else [19, 30], hq, hkv, d)
   q, k, v, cu, _ = pack_sequences(seqs)
-  jr, tr = JaxRoute(), TorchRoute()
-  a = jr.attend(*(jr.array(x) for x in (q, k, v)), cu_seqlens=jr.ints(cu))
-  b = tr.attend(*(tr.array(x) for x in (q, k, v)), cu_seqlens=tr.ints(cu))
-  assert _same(a, b)
+  outs = []
+  for route in [r(impl) for r in (JaxRoute, TorchRoute) for impl in IMPLS]:
+    outs.append(route.attend(*(route.array(x) for x in (q, k, v)),
+                             cu_seqlens=route.ints(cu), return_lse=True))
+  for out, lse in outs[1:]:
+    assert _same(out, outs[0][0])
+    assert np.array_equal(_f32(lse), _f32(outs[0][1]))
 
 
 def test_lse_is_the_log_normaliser(rng):

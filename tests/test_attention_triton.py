@@ -54,9 +54,10 @@ def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0,
 
 def backward(q, k, v, seqs, g, statics):
   out, lse = forward(q, k, v, seqs, statics)
-  q_tiles = _attention_op._tile_map(seqs[1], CONFIG.bwd_block_m,
+  dq_rows = CONFIG.dq_tiles()[0]
+  q_tiles = _attention_op._tile_map(seqs[1], dq_rows,
                                     kernels.tile_bound(q.shape[0], seqs.shape[1],
-                                                       CONFIG.bwd_block_m))
+                                                       dq_rows))
   k_tiles = _attention_op._tile_map(seqs[3], CONFIG.bwd_block_n,
                                     kernels.tile_bound(
                                         k.numel() // k.shape[-1] // HKV,

@@ -149,7 +149,8 @@ def test_sources_compile_for_sm90a():
   build.check(jobs=2, log=compiled.append, kernels=kernels)
   codes = build.kernel_configs()
   others = ["pack_rows_kernels.o", "linear_logp_kernels.o",
-            "row_reduce_kernels.o", "det_gemm_api.o", "pack_rows_api.o"]
+            "attention_sm90_kernels.o", "row_reduce_kernels.o",
+            "det_gemm_api.o", "pack_rows_api.o"]
   assert sorted(compiled) == sorted(
       [f"  ok: det_gemm_kernels_{''.join(map(str, v))}_{codes[name]}.o"
        for v, name in kernels] + [f"  ok: {name}" for name in others])
@@ -249,7 +250,8 @@ def test_kept_objects_are_keyed_by_their_own_inputs_not_the_machines_paths(
   monkeypatch.setattr(build, "_ffi_header", lambda ffi: b"jaxlib 0.12")
   ffi_changed = {d.split("-")[0] for d in set(names(here)) - set(
       names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))}
-  assert ffi_changed == {"det_gemm_api", "pack_rows_api", "linear_logp_kernels"}
+  assert ffi_changed == {"det_gemm_api", "pack_rows_api", "linear_logp_kernels",
+                         "attention_sm90_kernels"}
   monkeypatch.setattr(build, "_tool_versions", lambda nvcc, cutlass: b"13.1")
   assert not set(names(here)) & set(
       names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))
@@ -265,5 +267,6 @@ def test_every_source_is_part_of_the_build():
                      build.KERNEL_SOURCE.name,
                      build.API_SOURCE.name, "pack_rows.h",
                      build.LOGP_SOURCE.name, build.ROW_REDUCE_SOURCE.name,
+                     build.ATTENTION_SOURCE.name,
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()

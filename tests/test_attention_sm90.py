@@ -1,0 +1,122 @@
+"""det_attention's Hopper forward (``cuda_ffi``): the Triton forward's bits
+at every head dim, dtype and mask it takes, in JAX and torch, reading
+transformers' transposed caches in place; and what it does not take runs
+the Triton kernels under the same name. Its part in the whole contract
+(packs, padding, decode against its prefill, gradients) runs in
+test_attention.py. The CPU test pins the kernel's tiles to the Triton
+config's, which is what makes the bits the same."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import cuda_ffi
+from attention_checks import (bits, dense_f64, pack_sequences, padded_batch,
+                              rel_err, sequences)
+from triton_kernels import attention as kernels
+
+torch = pytest.importorskip("torch")
+
+
+def test_kernel_tiles_are_the_triton_forwards():
+  # The kernel's blocks, chunks and tile rows are compile-time constants
+  # of its source; the Triton config owns them (and the tile map the
+  # kernel reads is built from it).
+  source = (cuda_ffi._build.ATTENTION_SOURCE).read_text()
+  constant = lambda name: int(re.search(
+      rf"constexpr int {name} = (\d+);", source).group(1))
+  for d in cuda_ffi.ATTENTION_HEAD_DIMS:
+    config = kernels.config_for(d)
+    assert config.block_m == constant("kBlockM") == cuda_ffi.ATTENTION_TILE_ROWS
+    assert config.block_n == constant("kBlockN")
+    assert config.fold_keys == constant("kFold")
+
+
+def _pair(attend, *args, **kw):
+  return [attend(*args, implementation=impl, return_lse=True, **kw)
+          for impl in ("cuda_ffi", "triton")]
+
+
+def _same(a, b):
+  return np.array_equal(bits(a), bits(b))
+
+
+def _lse_bits(x):
+  x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+  return x.view(np.uint32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", cuda_ffi.ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("window", [None, 200])
+def test_torch_forward_is_the_triton_forward(rng, d, dtype, window):
+  import rlk_torch_bridge as rtb
+  tdtype = getattr(torch, dtype)
+  # Lengths around the 64-key blocks, the 128-row tiles and the 512-key
+  # chunks; 4 query heads a KV head.
+  lengths = [1, 63, 64, 65, 127, 128, 129, 511, 513, 700, 1500]
+  seqs = sequences(rng, lengths, 8, 2, d)
+  q, k, v, cu, starts = pack_sequences(seqs, spare=3)
+  args = [torch.from_numpy(x).to("cuda", tdtype) for x in (q, k, v)]
+  cu_t = torch.as_tensor(cu, device="cuda")
+  (out, lse), (want, want_lse) = _pair(rtb.det_attention, *args,
+                                       cu_seqlens=cu_t, sliding_window=window)
+  assert _same(out, want)
+  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+  # And right: the longest sequence against float64.
+  s, start = seqs[-1], starts[-1]
+  ref = dense_f64(*(np.asarray(torch.from_numpy(x).to(tdtype).float())
+                    for x in s), window=window)
+  got = out[start:start + len(s[0])].float().cpu().numpy()
+  assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_jax_forward_is_the_triton_forward(rng):
+  import jax.numpy as jnp
+  import rlk_jax
+  seqs = sequences(rng, [5, 130, 600, 64], 8, 2, 64)
+  q, k, v, cu, _ = pack_sequences(seqs)
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  (out, lse), (want, want_lse) = _pair(rlk_jax.det_attention, *args,
+                                       cu_seqlens=jnp.asarray(cu))
+  assert _same(out, want)
+  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+
+
+@pytest.mark.gpu
+def test_reads_transposed_caches_in_place(rng):
+  """A padded batch whose keys and values are transformers' [B, Hkv, S, D]
+  tensors transposed: the Hopper forward reads them where they lie and
+  gives the rows' bits."""
+  import rlk_torch_bridge as rtb
+  seqs = sequences(rng, [90, 300, 17], 8, 2, 128)
+  q, k, v, mask = padded_batch(seqs, 300, left=True)
+  t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to("cuda",
+                                                            torch.bfloat16)
+  mask_t = torch.as_tensor(mask, device="cuda")
+  heads_first = [t(x.transpose(0, 2, 1, 3)).transpose(1, 2) for x in (k, v)]
+  got = rtb.det_attention(t(q), *heads_first, mask=mask_t,
+                          implementation="cuda_ffi")
+  want = rtb.det_attention(t(q), t(k), t(v), mask=mask_t,
+                           implementation="triton")
+  assert _same(got, want)
+
+
+@pytest.mark.gpu
+def test_what_it_does_not_take_runs_the_triton_kernels(rng):
+  """A logit softcap and head dim 256: the same name, the Triton
+  forward (so the same bits)."""
+  import rlk_torch_bridge as rtb
+  for d, softcap in ((128, 30.0), (256, None)):
+    seqs = sequences(rng, [40, 200], 4, 2, d)
+    q, k, v, cu, _ = pack_sequences(seqs)
+    args = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]
+    (out, _), (want, _) = _pair(rtb.det_attention, *args,
+                                cu_seqlens=torch.as_tensor(cu, device="cuda"),
+                                softcap=softcap)
+    assert _same(out, want)
