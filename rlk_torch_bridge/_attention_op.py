@@ -2,18 +2,20 @@
 det_attention on flattened rows (``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``,
 ``seqs`` int32 ``[4, B]``) as PyTorch operators.
 
-k and v may also be ``[B, S, Hkv, D]`` views read in place (the Triton
-kernels on CUDA only): a ``[B, Hkv, S, D]`` cache transposed, as
+k and v may also be ``[B, S, Hkv, D]`` views read in place (the kernels on
+CUDA only): a ``[B, Hkv, S, D]`` cache transposed, as
 transformers hands its keys over, would otherwise be copied into rows each
 layer. Their row ``b * stride(0) / stride(1) + t`` is token t of batch row
 b, and ``seqs`` counts key rows so (``triton_kernels.attention.row_strides``);
 sequence b is batch row b.
 
-On a CUDA tensor with the ``triton`` implementation the @triton.jit kernels
-launch natively on torch's stream (capturable in CUDA graphs); every other
-implementation runs rlk_jax's own functions through one jitted JAX call
-(DLPack). Either way the bits are the JAX op's: the same kernels with the
-same tile map, or the same JAX function.
+On a CUDA tensor the ``triton`` implementation's @triton.jit kernels, and
+``cuda_ffi``'s Hopper forward (a C entry of the cuda_ffi library, with the
+Triton kernels for the rest), launch natively on torch's stream
+(capturable in CUDA graphs); every other implementation runs rlk_jax's own
+functions through one jitted JAX call (DLPack). Either way the bits are the
+JAX op's: the same kernels with the same tile map, or the same JAX
+function.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
   impl = choose(implementation, platform_of(q))
   s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
   if (impl == "cuda_ffi" and q.is_cuda
-      and _attention.sm90_takes(s, _jax_dtype(q.dtype))):
+      and _attention.sm90_takes(s, _jax_dtype(q.dtype))
+      and _tma_aligned(q, k, v)):
     return _sm90_forward(q, k, v, seqs, s)
   if impl in KERNEL_ROUTES and q.is_cuda:
     from triton_kernels import attention as kernels
@@ -202,6 +205,14 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
 def _jax_dtype(dtype):
   return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
       dtype, "float32")
+
+
+def _tma_aligned(*tensors) -> bool:
+  """Whether the Hopper forward's TMA can read these rows: 16-byte aligned
+  addresses and token and head strides (a view that is not runs the Triton
+  kernels: the same bits)."""
+  return all(t.data_ptr() % 16 == 0 and t.stride(-3) % 8 == 0
+             and t.stride(-2) % 8 == 0 for t in tensors)
 
 
 def _key_rows(k) -> int:
