@@ -120,3 +120,32 @@ def test_what_it_does_not_take_runs_the_triton_kernels(rng):
                                 cu_seqlens=torch.as_tensor(cu, device="cuda"),
                                 softcap=softcap)
     assert _same(out, want)
+
+
+@pytest.mark.gpu
+def test_non_finite_junk_outside_sequences_stays_out(rng):
+  """NaN and inf where no sequence lives (a padded batch's padding, a
+  pack's spare rows): a block that runs past a sequence's end reads them,
+  and p = 0 must not meet them as 0 * inf (the kernel zeroes those key
+  rows, as the Triton kernel loads them)."""
+  import rlk_torch_bridge as rtb
+  seqs = sequences(rng, [70, 300, 129], 8, 2, 128)
+  q, k, v, mask = padded_batch(seqs, 300, left=True)
+  junk = ~mask
+  for x, bad in ((k, np.inf), (v, np.nan)):
+    x[junk] = bad
+  t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to("cuda",
+                                                            torch.bfloat16)
+  mask_t = torch.as_tensor(mask, device="cuda")
+  (out, lse), (want, want_lse) = _pair(rtb.det_attention, t(q), t(k), t(v),
+                                       mask=mask_t)
+  assert torch.isfinite(out).all()
+  assert _same(out, want)
+  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+  q, k, v, cu, _ = pack_sequences(seqs, spare=40)
+  v[cu[-1]:] = np.nan
+  args = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]
+  (out, _), (want, _) = _pair(rtb.det_attention, *args,
+                              cu_seqlens=torch.as_tensor(cu, device="cuda"))
+  assert torch.isfinite(out[:cu[-1]]).all()
+  assert _same(out, want)

@@ -153,6 +153,25 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[4][4]) {
   }
 }
 
+// Keys past the sequence's end in a block's v tile hold another sequence's
+// rows, a padded batch's junk or a pack's spare rows: p is 0 there, but 0
+// times a non-finite value is NaN, so the rows are zeroed before the p v
+// product reads them (the Triton kernel loads them as zeros: the same bits).
+// Both warpgroups write the same zeros; each makes its own writes (generic
+// proxy) visible to its product (async proxy) before issuing it.
+template <int D>
+__device__ __forceinline__ void ZeroTailKeys(uint16_t* tile, int from, int t,
+                                             int wg) {
+  constexpr int kChunks = (D / kAtom) * kBlockN * 8;  // 16-byte chunks
+  for (int c = t; c < kChunks; c += 128) {
+    if ((c / 8) % kBlockN >= from) {
+      reinterpret_cast<uint4*>(tile)[c] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" ::"r"(3 + wg) : "memory");
+}
+
 template <int S>
 __device__ __forceinline__ void Advance(int& stage, uint32_t& phase) {
   if (++stage == S) {
@@ -590,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     SoftmaxBlock<kWindowed>(s, m, l, alpha, kWindowed || c_lo >= full, c_lo,
                             quad, pos, row_ok, params.scale2, params.window);
     PackP<kHalf>(s, p);
-    int prev_stage = stage;
+    int prev_stage = stage, prev_start = c_lo;
     uint32_t prev_phase = phase;
     Advance<S>(stage, phase);
     for (int start = c_lo + kBlockN; start < c_hi; start += kBlockN) {
@@ -598,6 +617,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 32; ++e) s[e] = 0.0f;
       BarWait(&smem.k_full[stage], phase);
       BarWait(&smem.v_full[prev_stage], prev_phase);
+      if (prev_start + kBlockN > k_len) {
+        ZeroTailKeys<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
+      }
       const ScoreDescs<D> score_descs(q_addr, SmemAddr(smem.k[stage]));
       const ValueDescs value_descs(SmemAddr(smem.v[prev_stage]));
       NamedSync(1 + wg);
@@ -625,10 +647,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       PackP<kHalf>(s, p);
       prev_stage = stage;
       prev_phase = phase;
+      prev_start = start;
       Advance<S>(stage, phase);
     }
     // The chunk's last p v, then its fold.
     BarWait(&smem.v_full[prev_stage], prev_phase);
+    if (prev_start + kBlockN > k_len) {
+      ZeroTailKeys<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
+    }
     const ValueDescs last_descs(SmemAddr(smem.v[prev_stage]));
     NamedSync(1 + wg);
     WgmmaFence();
