@@ -56,7 +56,17 @@ def choose(implementation, platform) -> str:
 
 
 def _tile_map(lengths, rows_per_tile, n_tiles):
-  """rlk_jax._attention._tile_map in torch (the same ints)."""
+  """rlk_jax._attention._tile_map in torch (the same ints): on CUDA one
+  Triton kernel, elsewhere (and for very many sequences) torch's ops."""
+  from triton_kernels import attention as kernels
+  from triton_kernels import backend
+  if (lengths.is_cuda and backend.triton is not None
+      and lengths.shape[0] <= kernels.TILE_MAP_MAX_SEQS):
+    return kernels.tile_map_torch(lengths.contiguous(), rows_per_tile, n_tiles)
+  return _tile_map_ops(lengths, rows_per_tile, n_tiles)
+
+
+def _tile_map_ops(lengths, rows_per_tile, n_tiles):
   per_seq = (lengths + rows_per_tile - 1) // rows_per_tile
   ends = torch.cumsum(per_seq, 0, dtype=torch.int32)
   t = torch.arange(n_tiles, dtype=torch.int32, device=lengths.device)

@@ -177,3 +177,18 @@ def test_in_place_rows_of_a_transposed_cache_give_the_rows_bits(rng):
     for a, w in zip(got[1:], want[1:]):
       assert np.array_equal(bits(a[i, f:f + n]),
                             bits(w[i * s + f:i * s + f + n]))
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3, 17, 300])
+def test_one_kernel_tile_map_is_the_ops_one(rng, n_seqs):
+  # The CUDA route's tile map (one launch) against torch's ops, which the
+  # JAX map's test pins: ragged lengths with zeros, and spare tiles past
+  # the last sequence (-1).
+  lengths = rng.integers(0, 400, size=n_seqs).astype(np.int32)
+  lengths[rng.integers(0, n_seqs)] = 0
+  lengths_t = torch.tensor(lengths, device=DEVICE)
+  for rows in (16, 64, 128):
+    n_tiles = kernels.tile_bound(int(lengths.sum()), n_seqs, rows) + 5
+    got = kernels.tile_map_torch(lengths_t, rows, n_tiles)
+    want = _attention_op._tile_map_ops(lengths_t, rows, n_tiles)
+    assert torch.equal(got.cpu(), want.cpu()), rows

@@ -565,6 +565,31 @@ if triton is not None:
                mask=row_ok[:, None])
 
 
+  @triton.jit
+  def _tile_map_kernel(len_ptr, out_ptr, n_seqs, n_tiles,
+                       ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    # The tile map (see tile_map_torch) for BLOCK_T tiles: tile t belongs to
+    # the sequence whose tiles end first after t (the count of sequences
+    # whose tiles end at or before t, as a right-sided search counts them)
+    # and starts (t - that sequence's first tile) * ROWS rows into it.
+    s = tl.arange(0, BLOCK_S)
+    real = s < n_seqs
+    lengths = tl.load(len_ptr + s, mask=real, other=0)
+    per_seq = (lengths + ROWS - 1) // ROWS
+    ends = tl.cumsum(per_seq, 0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    before = (ends[None, :] <= t[:, None]) & real[None, :]
+    seq = tl.sum(before.to(tl.int32), 1)
+    first_tile = tl.sum(tl.where(s[None, :] == seq[:, None],
+                                 (ends - per_seq)[None, :], 0), 1)
+    valid = seq < n_seqs
+    ok = t < n_tiles
+    tl.store(out_ptr + t, tl.where(valid, seq, -1), mask=ok)
+    tl.store(out_ptr + n_tiles + t, tl.where(valid, (t - first_tile) * ROWS, 0),
+             mask=ok)
+
+
 if triton is not None:
   _launch_fwd = Launcher(_fwd_kernel)
   _launch_split = Launcher(_fwd_split_kernel)
@@ -814,6 +839,27 @@ def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
       *row_strides(dq), num_warps=dq_warps, num_stages=dq_stages,
       BLOCK_M=dq_m, BLOCK_N=dq_n, **meta)
   return dq, dk, dv
+
+
+# Sequences the one-kernel tile map takes (its program holds a tile block
+# against every sequence); more go through torch's ops.
+TILE_MAP_MAX_SEQS = 1024
+
+
+def tile_map_torch(lengths, rows_per_tile: int, n_tiles: int):
+  """int32 [2, n_tiles]: each tile's sequence (-1: none) and first row, for
+  sequences of `lengths` (int32 [B], B <= TILE_MAP_MAX_SEQS) cut into
+  `rows_per_tile`-row tiles in order: rlk_jax._attention._tile_map's ints in
+  one launch instead of a dozen small torch kernels before every call."""
+  import torch
+  n = lengths.shape[0]
+  out = torch.empty((2, n_tiles), dtype=torch.int32, device=lengths.device)
+  block_s = max(16, triton.next_power_of_2(n))
+  block_t = max(16, min(128, 16384 // block_s))
+  _tile_map_kernel[(triton.cdiv(n_tiles, block_t),)](
+      lengths, out, n, n_tiles, ROWS=rows_per_tile, BLOCK_S=block_s,
+      BLOCK_T=block_t, num_warps=4)
+  return out
 
 
 def tile_bound(n_rows: int, n_seqs: int, rows_per_tile: int) -> int:
