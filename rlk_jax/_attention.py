@@ -134,8 +134,9 @@ def covered_rows(starts, lengths, n: int):
 def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
   kernels = _kernels()
   config = kernels.config_for(settings.head_dim)
-  q_tiles = _tile_map(seqs[1], config.dq_tiles()[0], kernels.tile_bound(
-      q.shape[0], seqs.shape[1], config.dq_tiles()[0]))
+  dq_rows = config.dq_tiles()[0]
+  q_tiles = _tile_map(seqs[1], dq_rows, kernels.tile_bound(
+      q.shape[0], seqs.shape[1], dq_rows))
   k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
       k.shape[0], seqs.shape[1], config.bwd_block_n))
   dq, dk, dv = kernels.backward_jax(q, k, v, out, lse, g, seqs, q_tiles,

@@ -262,8 +262,9 @@ def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
   if implementation in KERNEL_ROUTES and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
-    q_tiles = _tile_map(seqs[1], config.dq_tiles()[0], kernels.tile_bound(
-        q.shape[0], seqs.shape[1], config.dq_tiles()[0]))
+    dq_rows = config.dq_tiles()[0]
+    q_tiles = _tile_map(seqs[1], dq_rows, kernels.tile_bound(
+        q.shape[0], seqs.shape[1], dq_rows))
     k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
         k.numel() // k.shape[-1] // k.shape[-2], seqs.shape[1],
         config.bwd_block_n))

@@ -16,6 +16,17 @@ def bits(x) -> np.ndarray:
   return np.asarray(x).view(np.uint16)
 
 
+def f32_bits(x) -> np.ndarray:
+  """The bit patterns of an f32 array (torch or JAX; an lse) as uint32."""
+  x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+  return x.astype(np.float32).view(np.uint32)
+
+
+def same_bits(a, b) -> bool:
+  """Whether two bf16/f16 arrays (torch or JAX) hold the same bits."""
+  return np.array_equal(bits(a), bits(b))
+
+
 def dense_f64(q, k, v, *, window=None, softcap=None, scale=None):
   """Causal attention of one sequence in float64: q [T, Hq, D], k, v [T,
   Hkv, D] (numpy)."""

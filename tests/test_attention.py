@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import rlk_jax
-from attention_checks import (bits, dense_f64, pack_sequences, padded_batch,
-                              rel_err, sequences)
+from attention_checks import (bits, dense_f64, f32_bits, pack_sequences,
+                              padded_batch, rel_err, same_bits, sequences)
 from conftest import ON_GPU
 
 torch = pytest.importorskip("torch")
@@ -83,15 +83,6 @@ def route(request):
   return cls(impl)
 
 
-def _same(a, b) -> bool:
-  return np.array_equal(bits(a), bits(b))
-
-
-def _f32(x) -> np.ndarray:
-  x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-  return x.astype(np.float32).view(np.uint32)
-
-
 # Small on CPU (the reference's explicit loops), wider on the device.
 HEADS = (4, 2, 64) if not ON_GPU else (8, 2, 128)
 
@@ -109,7 +100,7 @@ def test_pack_rows_equal_alone_and_float64(route, rng, window, softcap):
   for s, start in zip(seqs, starts):
     n = s[0].shape[0]
     alone = route.attend(*(route.array(x) for x in s), **kw)
-    assert _same(out[start:start + n], alone), (route.name, n)
+    assert same_bits(out[start:start + n], alone), (route.name, n)
     want = dense_f64(*(np.asarray(route.array(x).astype(jnp.float32)
                                   if route.name == "jax" else
                                   route.array(x).float().cpu())
@@ -131,7 +122,7 @@ def test_padded_rows_equal_alone(route, rng, left):
   for j, (s, n) in enumerate(zip(seqs, lengths)):
     alone = route.attend(*(route.array(x) for x in s))
     rows = slice(24 - n, 24) if left else slice(0, n)
-    assert _same(out[j, rows], alone)
+    assert same_bits(out[j, rows], alone)
 
 
 def test_decode_and_chunked_prefill_equal_prefill(route, rng):
@@ -160,9 +151,9 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
     out, lse = route.attend(route.array(qn), kc, vc,
                             kv_lens=route.ints([pos + n, n]),
                             kv_start=route.ints([offset, 0]), return_lse=True)
-    assert _same(out[0], full[pos:pos + n]), (pos, n)
+    assert same_bits(out[0], full[pos:pos + n]), (pos, n)
     # f32: an ulp here would flip a bf16 output now and then.
-    assert np.array_equal(_f32(lse[0]), _f32(full_lse[pos:pos + n])), (pos, n)
+    assert np.array_equal(f32_bits(lse[0]), f32_bits(full_lse[pos:pos + n])), (pos, n)
   if ON_GPU:
     # Many positions in one batch, each its own cache: every block end
     # (where a decode row walks a block unmasked that the prefill's tile
@@ -177,8 +168,8 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
                             kv_lens=route.ints(positions + 1),
                             kv_start=route.ints(np.full(b, offset)),
                             return_lse=True)
-    assert _same(out[:, 0], full[positions])
-    assert np.array_equal(_f32(lse[:, 0]), _f32(full_lse[positions]))
+    assert same_bits(out[:, 0], full[positions])
+    assert np.array_equal(f32_bits(lse[:, 0]), f32_bits(full_lse[positions]))
 
 
 def test_torch_reads_transposed_caches_with_the_same_bits(rng):
@@ -198,11 +189,11 @@ def test_torch_reads_transposed_caches_with_the_same_bits(rng):
   want = t.attend(*rows, mask=mask)
   got = t.attend(rows[0], *(x.transpose(1, 2) for x in heads_first),
                  mask=mask)
-  assert _same(got, want)
+  assert same_bits(got, want)
   want.backward(g)
   got.backward(g)
   for a, b in zip(heads_first, rows[1:]):
-    assert _same(a.grad.transpose(1, 2), b.grad)
+    assert same_bits(a.grad.transpose(1, 2), b.grad)
   # A step of 2 new rows against a cache of 40 slots, sequences at
   # different offsets in it.
   slots, n = 40, 2
@@ -212,7 +203,7 @@ def test_torch_reads_transposed_caches_with_the_same_bits(rng):
   want = t.attend(qn, *(t.array(x) for x in cache), **kw)
   got = t.attend(qn, *(t.array(x.transpose(0, 2, 1, 3)).transpose(1, 2)
                        for x in cache), **kw)
-  assert _same(got, want)
+  assert same_bits(got, want)
 
 
 def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
@@ -225,13 +216,13 @@ def test_gradients_per_sequence_invariant_and_deterministic(route, rng):
   packed = route.grads(*args, cu_seqlens=route.ints(cu))
   again = route.grads(*args, cu_seqlens=route.ints(cu))
   for a, b in zip(packed, again):
-    assert _same(a, b)
+    assert same_bits(a, b)
   for s, start in zip(seqs, starts):
     n = s[0].shape[0]
     alone = route.grads(*(route.array(x) for x in s),
                         route.array(g[start:start + n]))
     for a, b in zip(packed, alone):
-      assert _same(a[start:start + n], b)
+      assert same_bits(a[start:start + n], b)
   # Accuracy of the whole pack's gradients against float64 autodiff.
   if route.name == "torch":
     s, start = seqs[-1], starts[-1]
@@ -264,8 +255,8 @@ def test_jax_equals_torch(rng):
     outs.append(route.attend(*(route.array(x) for x in (q, k, v)),
                              cu_seqlens=route.ints(cu), return_lse=True))
   for out, lse in outs[1:]:
-    assert _same(out, outs[0][0])
-    assert np.array_equal(_f32(lse), _f32(outs[0][1]))
+    assert same_bits(out, outs[0][0])
+    assert np.array_equal(f32_bits(lse), f32_bits(outs[0][1]))
 
 
 def test_lse_is_the_log_normaliser(rng):
@@ -304,7 +295,7 @@ def test_jit_and_pack_info(rng):
     n = lengths[j]
     alone = r.attend(r.array(xb[j, :n, :hq]), r.array(xb[j, :n, hq:hq + hkv]),
                      r.array(xb[j, :n, hq + hkv:]))
-    assert _same(out[cu[j]:cu[j + 1]], alone)
+    assert same_bits(out[cu[j]:cu[j + 1]], alone)
   assert not np.asarray(bits(out))[cu[-1]:].any()
 
 
@@ -348,7 +339,7 @@ def test_torch_op_compiles_and_is_registered(rng):
   eager = tr.attend(*args)
   compiled = torch.compile(lambda q, k, v: rtb.det_attention(
       q, k, v, implementation=IMPL), fullgraph=True)(*args)
-  assert _same(eager, compiled)
+  assert same_bits(eager, compiled)
   assert hasattr(torch.ops.rlk, "det_attention")
 
 
@@ -363,7 +354,7 @@ def test_float16_pack_equals_alone_and_float64(route, rng):
   for s, start in zip(seqs, starts):
     n = s[0].shape[0]
     alone = route.attend(*(route.array(x, f16) for x in s))
-    assert _same(out[start:start + n], alone)
+    assert same_bits(out[start:start + n], alone)
     exact = [np.asarray(x, np.float16).astype(np.float64) for x in s]
     got = np.asarray(alone.astype(jnp.float32) if route.name == "jax"
                      else alone.float().cpu())

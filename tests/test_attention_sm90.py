@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import cuda_ffi
-from attention_checks import (bits, dense_f64, pack_sequences, padded_batch,
-                              rel_err, sequences)
+from attention_checks import (dense_f64, f32_bits, pack_sequences,
+                              padded_batch, rel_err, same_bits, sequences)
 from triton_kernels import attention as kernels
 
 torch = pytest.importorskip("torch")
@@ -40,15 +40,6 @@ def _pair(attend, *args, **kw):
           for impl in ("cuda_ffi", "triton")]
 
 
-def _same(a, b):
-  return np.array_equal(bits(a), bits(b))
-
-
-def _lse_bits(x):
-  x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-  return x.view(np.uint32)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", cuda_ffi.ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -65,8 +56,8 @@ def test_torch_forward_is_the_triton_forward(rng, d, dtype, window):
   cu_t = torch.as_tensor(cu, device="cuda")
   (out, lse), (want, want_lse) = _pair(rtb.det_attention, *args,
                                        cu_seqlens=cu_t, sliding_window=window)
-  assert _same(out, want)
-  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+  assert same_bits(out, want)
+  assert np.array_equal(f32_bits(lse), f32_bits(want_lse))
   # And right: the longest sequence against float64.
   s, start = seqs[-1], starts[-1]
   ref = dense_f64(*(np.asarray(torch.from_numpy(x).to(tdtype).float())
@@ -84,8 +75,8 @@ def test_jax_forward_is_the_triton_forward(rng):
   args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
   (out, lse), (want, want_lse) = _pair(rlk_jax.det_attention, *args,
                                        cu_seqlens=jnp.asarray(cu))
-  assert _same(out, want)
-  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+  assert same_bits(out, want)
+  assert np.array_equal(f32_bits(lse), f32_bits(want_lse))
 
 
 @pytest.mark.gpu
@@ -104,7 +95,7 @@ def test_reads_transposed_caches_in_place(rng):
                           implementation="cuda_ffi")
   want = rtb.det_attention(t(q), t(k), t(v), mask=mask_t,
                            implementation="triton")
-  assert _same(got, want)
+  assert same_bits(got, want)
 
 
 @pytest.mark.gpu
@@ -119,7 +110,7 @@ def test_what_it_does_not_take_runs_the_triton_kernels(rng):
     (out, _), (want, _) = _pair(rtb.det_attention, *args,
                                 cu_seqlens=torch.as_tensor(cu, device="cuda"),
                                 softcap=softcap)
-    assert _same(out, want)
+    assert same_bits(out, want)
 
 
 @pytest.mark.gpu
@@ -140,12 +131,12 @@ def test_non_finite_junk_outside_sequences_stays_out(rng):
   (out, lse), (want, want_lse) = _pair(rtb.det_attention, t(q), t(k), t(v),
                                        mask=mask_t)
   assert torch.isfinite(out).all()
-  assert _same(out, want)
-  assert np.array_equal(_lse_bits(lse), _lse_bits(want_lse))
+  assert same_bits(out, want)
+  assert np.array_equal(f32_bits(lse), f32_bits(want_lse))
   q, k, v, cu, _ = pack_sequences(seqs, spare=40)
   v[cu[-1]:] = np.nan
   args = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]
   (out, _), (want, _) = _pair(rtb.det_attention, *args,
                               cu_seqlens=torch.as_tensor(cu, device="cuda"))
   assert torch.isfinite(out[:cu[-1]]).all()
-  assert _same(out, want)
+  assert same_bits(out, want)

@@ -316,12 +316,9 @@ __device__ __forceinline__ void ValuesStep(float* d, const uint32_t* a,
   }
 }
 
-// s = q k^T for this warpgroup's 64 rows: D / 16 k-steps in order, the
-// first ignoring the accumulator. q is [D / 64][128 rows][64] (this
-// warpgroup's rows at q_addr), k [D / 64][64 keys][64], both K-major.
 // The products' shared-memory descriptors, made before the products are
-// issued: a product's descriptor registers must not be redefined while
-// earlier products run (the compiler serialises them otherwise).
+// issued (the measured kernel; descriptors made at each step compile
+// without serialising the products too).
 // Scores: q is [D / 64][128 rows][64] (this warpgroup's rows at q_addr),
 // k [D / 64][64 keys][64], both K-major; D / 16 k-steps of 32 bytes.
 template <int D>
@@ -374,6 +371,31 @@ __device__ __forceinline__ void IssueValues(float* o, const uint32_t (&p)[4][4],
 
 constexpr float kNegInf = -__builtin_huge_valf();
 
+// A row's reduction of a block (h = 0: row r, h = 1: row r + 8) in the
+// order Triton's emits for this layout: the thread's own registers in
+// register order (columns 0, 1, 8, 9, 16, ...), then across its quad by
+// xor-2 and xor-1 shuffles. (For the max any order would do; the sum's
+// bits depend on it.)
+template <typename Op>
+__device__ __forceinline__ void RowReduce(const float (&s)[32], float (&out)[2],
+                                          Op op) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) out[h] = op(s[2 * h], s[2 * h + 1]);
+#pragma unroll
+  for (int i = 1; i < 8; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      out[h] = op(out[h], s[4 * i + 2 * h]);
+      out[h] = op(out[h], s[4 * i + 2 * h + 1]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    out[h] = op(out[h], __shfl_xor_sync(0xFFFFFFFFu, out[h], 2));
+    out[h] = op(out[h], __shfl_xor_sync(0xFFFFFFFFu, out[h], 1));
+  }
+}
+
 // One key block of the online softmax for this thread's two rows (h = 0:
 // row r, h = 1: row r + 8). s holds the block's scores in the wgmma
 // accumulator layout: s[4i + 2h + c] is row h's column 8i + 2 quad + c.
@@ -392,20 +414,11 @@ __device__ __forceinline__ void SoftmaxBlock(
       if (!visible) s[e] = kNegInf;
     }
   }
-  float mx[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
-#pragma unroll
-  for (int i = 1; i < 8; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], s[4 * i + 2 * h]);
-      mx[h] = fmaxf(mx[h], s[4 * i + 2 * h + 1]);
-    }
-  }
+  float mx[2];
+  RowReduce(s, mx, [](float a, float b) { return fmaxf(a, b); });
   float neg[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
     // c > 0 and rounding is monotone: max(x) * c is the max of x * c.
     const float m_new = fmaxf(m[h], __fmul_rn(mx[h], scale2));
     const float m_use = (masked && m_new == kNegInf) ? 0.0f : m_new;
@@ -415,19 +428,10 @@ __device__ __forceinline__ void SoftmaxBlock(
   }
 #pragma unroll
   for (int e = 0; e < 32; ++e) s[e] = Ex2(__fmaf_rn(s[e], scale2, neg[(e / 2) % 2]));
-  float sum[2] = {__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])};
-#pragma unroll
-  for (int i = 1; i < 8; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      sum[h] = __fadd_rn(sum[h], s[4 * i + 2 * h]);
-      sum[h] = __fadd_rn(sum[h], s[4 * i + 2 * h + 1]);
-    }
-  }
+  float sum[2];
+  RowReduce(s, sum, [](float a, float b) { return __fadd_rn(a, b); });
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xFFFFFFFFu, sum[h], 2));
-    sum[h] = __fadd_rn(sum[h], __shfl_xor_sync(0xFFFFFFFFu, sum[h], 1));
     l[h] = __fmaf_rn(l[h], alpha[h], sum[h]);
   }
 }
