@@ -34,10 +34,13 @@ LOGITS_STATS_TARGET = "rlk_logits_stats"
 LOGITS_FINISH_TARGET = "rlk_logits_finish"
 LOGITS_GRAD_TARGET = "rlk_logits_grad"
 ATTENTION_FORWARD_TARGET = "rlk_attention_forward_sm90"
-# det_attention's Hopper forward: the head dims it takes and its tile rows
-# (the Triton forward's, whose tile map it reads).
+ATTENTION_DKDV_TARGET = "rlk_attention_dkdv_sm90"
+# det_attention's Hopper kernels: the head dims they take, the forward's tile
+# rows (the Triton forward's, whose tile map it reads) and the backward's
+# keys a tile (two of the Triton dK/dV kernel's 64-key programs).
 ATTENTION_HEAD_DIMS = (64, 128)
 ATTENTION_TILE_ROWS = 128
+ATTENTION_DKDV_TILE_KEYS = 128
 # Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
 # "auto" lets the library's analytic rule choose by shape. Every config gives
 # the same bits (device-tested); rlk_jax chooses among them by measurement.
@@ -116,7 +119,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                              (LOGITS_FINISH_TARGET, lib.RlkLogitsFinish),
                              (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad),
                              (ATTENTION_FORWARD_TARGET,
-                              lib.RlkAttentionForwardSm90)):
+                              lib.RlkAttentionForwardSm90),
+                             (ATTENTION_DKDV_TARGET,
+                              lib.RlkAttentionDkdvSm90)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                     platform="CUDA")
     except AttributeError as e:  # a library built from older sources
@@ -166,6 +171,10 @@ def _declare(lib: ctypes.CDLL) -> None:
   lib.rlk_attention_forward_sm90.argtypes = ([vp] * 8 + [i64] * 13
                                              + [ctypes.c_float, i64,
                                                 ctypes.c_int])
+  lib.rlk_attention_dkdv_sm90.restype = ctypes.c_char_p
+  lib.rlk_attention_dkdv_sm90.argtypes = ([vp] * 11 + [i64] * 17
+                                          + [ctypes.c_float] * 2
+                                          + [i64, ctypes.c_int])
   lib.rlk_row_reduce.restype = ctypes.c_char_p
   lib.rlk_row_reduce.argtypes = [vp, vp, vp, i64, i64, i64, ctypes.c_float,
                                  ctypes.c_int]
@@ -581,6 +590,43 @@ def launch_attention_forward(stream: int, q, k, v, seqs, tiles, out, lse, *,
       tiles.shape[1], hq, k.shape[-2], d, tq, q.stride(-3), q.stride(-2),
       k_rows, k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
       scale2, window or 0, int(half)))
+
+
+def attention_dkdv(q, k, v, g, lse, delta, seqs, tiles, *, scale: float,
+                   scale2: float, window: int | None):
+  """(dk, dv) ``[Tk, Hkv, D]`` in k's dtype: det_attention's backward for
+  the keys and values with the Triton dK/dV kernel's bits. q and g ``[Tq,
+  Hq, D]``, k and v ``[Tk, Hkv, D]`` (bf16 or f16, D 64 or 128), lse and
+  delta f32 ``[Tq, Hq]`` (delta = sum(out * g) as the Triton delta kernel
+  gives it), `seqs` int32 ``[4, B]``, `tiles` int32 ``[2, n_tiles]`` (a map
+  of ATTENTION_DKDV_TILE_KEYS-key tiles). Rows no tile covers are not
+  written."""
+  import jax
+  library()
+  call = jax.ffi.ffi_call(
+      ATTENTION_DKDV_TARGET,
+      (jax.ShapeDtypeStruct(k.shape, k.dtype),
+       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      vmap_method="sequential")
+  return call(q, k, v, g, lse, delta, seqs, tiles, scale=np.float32(scale),
+              scale2=np.float32(scale2), window=np.int64(window or 0))
+
+
+def launch_attention_dkdv(stream: int, q, k, v, g, lse, delta, seqs, tiles,
+                          dk, dv, *, k_rows: int, scale: float, scale2: float,
+                          window: int | None, half: bool) -> None:
+  """`attention_dkdv` on torch tensors' pointers and strides (q, k, v, dk,
+  dv rows with any token and head stride, D contiguous; k, v, dk, dv may be
+  ``[B, S, Hkv, D]`` views, `k_rows` rows in all; g, lse, delta
+  contiguous)."""
+  tq, hq, d = q.shape
+  _checked(library().rlk_attention_dkdv_sm90(
+      stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
+      lse.data_ptr(), delta.data_ptr(), seqs.data_ptr(), tiles.data_ptr(),
+      dk.data_ptr(), dv.data_ptr(), seqs.shape[1], tiles.shape[1], hq,
+      k.shape[-2], d, tq, q.stride(-3), q.stride(-2), k_rows, k.stride(-3),
+      k.stride(-2), v.stride(-3), v.stride(-2), dk.stride(-3), dk.stride(-2),
+      dv.stride(-3), dv.stride(-2), scale, scale2, window or 0, int(half)))
 
 
 ROW_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # the entry's codes

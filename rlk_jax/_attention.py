@@ -131,22 +131,52 @@ def covered_rows(starts, lengths, n: int):
   return jnp.cumsum(edges)[:n] > 0
 
 
-def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
-  kernels = _kernels()
-  config = kernels.config_for(settings.head_dim)
+def _dq_tiles(q, seqs, config):
   dq_rows = config.dq_tiles()[0]
-  q_tiles = _tile_map(seqs[1], dq_rows, kernels.tile_bound(
+  return _tile_map(seqs[1], dq_rows, _kernels().tile_bound(
       q.shape[0], seqs.shape[1], dq_rows))
-  k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
-      k.shape[0], seqs.shape[1], config.bwd_block_n))
-  dq, dk, dv = kernels.backward_jax(q, k, v, out, lse, g, seqs, q_tiles,
-                                    k_tiles, _statics(settings), config)
-  # Rows outside every sequence are left unwritten by the kernels.
+
+
+def _outside_zeroed(q, k, seqs, dq, dk, dv):
+  """The gradients with rows outside every sequence (which the kernels
+  leave unwritten) zeroed."""
   q_in = covered_rows(seqs[0], seqs[1], q.shape[0])[:, None, None]
   k_in = covered_rows(seqs[2], seqs[3], k.shape[0])[:, None, None]
   zero = jnp.zeros((), q.dtype)
   return (jnp.where(q_in, dq, zero), jnp.where(k_in, dk, zero),
           jnp.where(k_in, dv, zero))
+
+
+def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
+  kernels = _kernels()
+  config = kernels.config_for(settings.head_dim)
+  k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
+      k.shape[0], seqs.shape[1], config.bwd_block_n))
+  grads = kernels.backward_jax(q, k, v, out, lse, g, seqs,
+                               _dq_tiles(q, seqs, config), k_tiles,
+                               _statics(settings), config)
+  return _outside_zeroed(q, k, seqs, *grads)
+
+
+def _sm90_bwd(q, k, v, seqs, settings, out, lse, g):
+  """The Hopper dK/dV kernel (the Triton dK/dV kernel's bits) between the
+  Triton delta and dQ kernels, where the Hopper forward runs."""
+  if not sm90_takes(settings, q.dtype):
+    return _triton_bwd(q, k, v, seqs, settings, out, lse, g)
+  import cuda_ffi
+  kernels = _kernels()
+  config = kernels.config_for(settings.head_dim)
+  statics = _statics(settings)
+  delta = kernels.delta_jax(out, g)
+  keys = cuda_ffi.ATTENTION_DKDV_TILE_KEYS
+  k_tiles = _tile_map(seqs[3], keys, kernels.tile_bound(
+      k.shape[0], seqs.shape[1], keys))
+  dk, dv = cuda_ffi.attention_dkdv(
+      q, k, v, g, lse, delta, seqs, k_tiles, scale=settings.scale,
+      scale2=statics.constants()["scale2"], window=settings.window)
+  dq = kernels.dq_jax(q, k, v, g, lse, delta, seqs,
+                      _dq_tiles(q, seqs, config), statics, config)
+  return _outside_zeroed(q, k, seqs, dq, dk, dv)
 
 
 def _reference_bwd(q, k, v, seqs, settings, out, lse, g):
@@ -176,10 +206,11 @@ TABLE = _dispatch.register(_dispatch.OpTable(
             "@triton.jit flash-style kernels through jax-triton (and natively "
             "from torch); CUDA GPUs"),
         "cuda_ffi": _dispatch.Implementation(
-            "cuda_ffi", (_sm90_fwd, _triton_bwd), _sm90_reason,
-            "Hopper (sm_90a): a warp-specialised wgmma/TMA forward with the "
-            "Triton forward's bits (the Triton kernels for what it does not "
-            "take: decode steps, softcap, head dim 256, and the backward)"),
+            "cuda_ffi", (_sm90_fwd, _sm90_bwd), _sm90_reason,
+            "Hopper (sm_90a): warp-specialised wgmma/TMA kernels for the "
+            "forward and the backward's dK/dV with the Triton kernels' bits "
+            "(the Triton kernels for the rest: decode steps, softcap, head "
+            "dim 256, the backward's delta and dQ)"),
     },
     preference={"cpu": ("xla",), "gpu": ("cuda_ffi", "triton", "xla")},
 ))

@@ -234,6 +234,12 @@ def _key_rows(k) -> int:
   return (k.shape[0] - 1) * (k.stride(0) // k.stride(1)) + k.shape[1]
 
 
+def _key_tokens(k) -> int:
+  """How many key tokens k holds ([Tk, Hkv, D] or [B, S, Hkv, D]): what
+  bounds the key tiles its sequences need."""
+  return k.numel() // k.shape[-1] // k.shape[-2]
+
+
 def _sm90_forward(q, k, v, seqs, s):
   import cuda_ffi
   from triton_kernels import attention as kernels
@@ -262,18 +268,27 @@ def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
   if implementation in KERNEL_ROUTES and q.is_cuda:
     from triton_kernels import attention as kernels
     config = kernels.config_for(s.head_dim)
+    statics = _attention._statics(s)
+    g = g.contiguous()
     dq_rows = config.dq_tiles()[0]
     q_tiles = _tile_map(seqs[1], dq_rows, kernels.tile_bound(
         q.shape[0], seqs.shape[1], dq_rows))
-    k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
-        k.numel() // k.shape[-1] // k.shape[-2], seqs.shape[1],
-        config.bwd_block_n))
     # dk and dv number their rows as k and v do (seqs counts them so).
     like = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
                                          device=x.device)
-    dq, dk, dv = kernels.backward_torch(
-        q, k, v, out, lse, g, seqs, q_tiles, k_tiles, torch.empty_like(q),
-        like(k), like(v), _attention._statics(s), config)
+    dq, dk, dv = torch.empty_like(q), like(k), like(v)
+    if (implementation == "cuda_ffi"
+        and _attention.sm90_takes(s, _jax_dtype(q.dtype))
+        and _tma_aligned(q, k, v)):
+      delta = kernels.delta_torch(out, g)
+      _sm90_dkdv(q, k, v, seqs, lse, g, delta, dk, dv, s)
+      kernels.dq_torch(q, k, v, g, lse, delta, seqs, q_tiles, dq, statics,
+                       config)
+    else:
+      k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
+          _key_tokens(k), seqs.shape[1], config.bwd_block_n))
+      kernels.backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
+                             dq, dk, dv, statics, config)
     # Rows outside every sequence are left unwritten by the kernels.
     q_in = _covered(seqs[0], seqs[1], q.shape[0])[:, None, None]
     k_in = _key_rows_covered(seqs, k)
@@ -284,6 +299,20 @@ def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
   grads = _jax_backward(implementation, s, *to_jax_all(
       q, k, v, seqs, out, lse, g, one_computation=True))
   return to_torch_all(*grads)
+
+
+def _sm90_dkdv(q, k, v, seqs, lse, g, delta, dk, dv, s):
+  """The Hopper dK/dV kernel (the Triton dK/dV kernel's bits) into dk, dv."""
+  import cuda_ffi
+  from triton_kernels import attention as kernels
+  keys = cuda_ffi.ATTENTION_DKDV_TILE_KEYS
+  tiles = _tile_map(seqs[3], keys, kernels.tile_bound(
+      _key_tokens(k), seqs.shape[1], keys))
+  cuda_ffi.launch_attention_dkdv(
+      torch.cuda.current_stream(q.device).cuda_stream, q, k, v, g, lse,
+      delta, seqs, tiles, dk, dv, k_rows=_key_rows(k), scale=s.scale,
+      scale2=_attention._statics(s).constants()["scale2"], window=s.window,
+      half=q.dtype == torch.float16)
 
 
 def _backward_fake(q, k, v, seqs, out, lse, g, scale, softcap, window,

@@ -47,6 +47,21 @@ def dense_f64(q, k, v, *, window=None, softcap=None, scale=None):
   return np.einsum("hts,shd->thd", p, v)
 
 
+def dense_f64_torch(q, k, v, *, window=None):
+  """`dense_f64` in torch (q [T, Hq, D], k, v [T, Hkv, D] float64 tensors):
+  differentiable, so the gradients' float64 reference."""
+  import torch
+  t, hq, d = q.shape
+  g = hq // k.shape[1]
+  s = torch.einsum("thd,shd->hts", q, k.repeat_interleave(g, 1)) * d ** -0.5
+  i = torch.arange(t)
+  ok = i[None, :] <= i[:, None]
+  if window:
+    ok &= i[None, :] > i[:, None] - window
+  s = s.masked_fill(~ok, -torch.inf)
+  return torch.einsum("hts,shd->thd", s.softmax(-1), v.repeat_interleave(g, 1))
+
+
 def rel_err(got, want) -> float:
   got = np.asarray(got, np.float64)
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))

@@ -1,7 +1,8 @@
-"""det_attention's Hopper forward (``cuda_ffi``): the Triton forward's bits
-at every head dim, dtype and mask it takes, in JAX and torch, reading
-transformers' transposed caches in place; and what it does not take runs
-the Triton kernels under the same name. Its part in the whole contract
+"""det_attention's Hopper kernels (``cuda_ffi``): the forward and the
+backward's dK/dV give the Triton kernels' bits at every head dim, dtype and
+mask they take, in JAX and torch, reading transformers' transposed caches in
+place; and what they do not take runs the Triton kernels under the same
+name. Its part in the whole contract
 (packs, padding, decode against its prefill, gradients) runs in
 test_attention.py. The CPU test pins the kernel's tiles to the Triton
 config's, which is what makes the bits the same."""
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 
 import cuda_ffi
-from attention_checks import (dense_f64, f32_bits, pack_sequences,
-                              padded_batch, rel_err, same_bits, sequences)
+from attention_checks import (dense_f64, dense_f64_torch, f32_bits,
+                              pack_sequences, padded_batch, rel_err,
+                              same_bits, sequences)
 from triton_kernels import attention as kernels
 
 torch = pytest.importorskip("torch")
@@ -33,6 +35,11 @@ def test_kernel_tiles_are_the_triton_forwards():
     assert config.block_m == constant("kBlockM") == cuda_ffi.ATTENTION_TILE_ROWS
     assert config.block_n == constant("kBlockN")
     assert config.fold_keys == constant("kFold")
+    # The backward's: two of the Triton dK/dV kernel's programs a CTA, its
+    # query blocks a step.
+    assert 2 * config.bwd_block_n == constant("kDkdvKeys") == (
+        cuda_ffi.ATTENTION_DKDV_TILE_KEYS)
+    assert config.bwd_block_m == constant("kDkdvRows")
 
 
 def _pair(attend, *args, **kw):
@@ -66,6 +73,68 @@ def test_torch_forward_is_the_triton_forward(rng, d, dtype, window):
   assert rel_err(got, ref) < 1e-2
 
 
+def _torch_grads(impl, q, k, v, g, **kw):
+  import rlk_torch_bridge as rtb
+  leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+  out = rtb.det_attention(*leaves, implementation=impl, **kw)
+  out.backward(g)
+  return [x.grad for x in leaves]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", cuda_ffi.ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("window", [None, 200])
+def test_torch_backward_is_the_triton_backward(rng, d, dtype, window):
+  """dq, dk, dv bit for bit: the Hopper dK/dV kernel walks the Triton
+  program's query blocks with its arithmetic; lengths around its 64-row
+  query blocks and 128-key tiles (a tile's second warpgroup past the
+  sequence's end, windows whose warpgroups need other blocks)."""
+  tdtype = getattr(torch, dtype)
+  lengths = [1, 63, 64, 65, 127, 128, 129, 200, 257, 700, 1029]
+  seqs = sequences(rng, lengths, 8, 2, d)
+  q, k, v, cu, starts = pack_sequences(seqs, spare=3)
+  g = rng.standard_normal(q.shape)
+  args = [torch.from_numpy(x).to("cuda", tdtype) for x in (q, k, v, g)]
+  kw = dict(cu_seqlens=torch.as_tensor(cu, device="cuda"),
+            sliding_window=window)
+  got = _torch_grads("cuda_ffi", *args, **kw)
+  want = _torch_grads("triton", *args, **kw)
+  for a, b in zip(got, want):
+    assert same_bits(a, b)
+  # And right: the longest sequence's key gradients against float64.
+  s, start = seqs[-1], starts[-1]
+  n = len(s[0])
+  x64 = [torch.from_numpy(x).to(tdtype).double().requires_grad_()
+         for x in s]
+  dense_f64_torch(*x64, window=window).backward(
+      args[3][start:start + n].double().cpu())
+  for a, want64 in zip(got[1:], x64[1:]):
+    assert rel_err(a[start:start + n].float().cpu().numpy(),
+                   want64.grad.numpy()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_jax_backward_is_the_triton_backward(rng):
+  import jax
+  import jax.numpy as jnp
+  import rlk_jax
+  seqs = sequences(rng, [5, 130, 600, 64, 129], 8, 2, 128)
+  q, k, v, cu, _ = pack_sequences(seqs, spare=2)
+  g = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+
+  def grads(impl):
+    loss = lambda q, k, v: jnp.sum(
+        rlk_jax.det_attention(q, k, v, cu_seqlens=jnp.asarray(cu),
+                              implementation=impl).astype(jnp.float32)
+        * g.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(*args)
+
+  for a, b in zip(grads("cuda_ffi"), grads("triton")):
+    assert same_bits(a, b)
+
+
 @pytest.mark.gpu
 def test_jax_forward_is_the_triton_forward(rng):
   import jax.numpy as jnp
@@ -90,12 +159,18 @@ def test_reads_transposed_caches_in_place(rng):
   t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to("cuda",
                                                             torch.bfloat16)
   mask_t = torch.as_tensor(mask, device="cuda")
-  heads_first = [t(x.transpose(0, 2, 1, 3)).transpose(1, 2) for x in (k, v)]
-  got = rtb.det_attention(t(q), *heads_first, mask=mask_t,
-                          implementation="cuda_ffi")
+  heads_first = [t(x.transpose(0, 2, 1, 3)).requires_grad_() for x in (k, v)]
+  got = rtb.det_attention(t(q), *(x.transpose(1, 2) for x in heads_first),
+                          mask=mask_t, implementation="cuda_ffi")
   want = rtb.det_attention(t(q), t(k), t(v), mask=mask_t,
                            implementation="triton")
   assert same_bits(got, want)
+  # The backward writes dk and dv where the cache lies, as the Triton one.
+  g = t(rng.standard_normal(q.shape))
+  got.backward(g)
+  want_grads = _torch_grads("triton", t(q), t(k), t(v), g, mask=mask_t)
+  for a, b in zip(heads_first, want_grads[1:]):
+    assert same_bits(a.grad.transpose(1, 2), b)
 
 
 @pytest.mark.gpu
@@ -133,6 +208,16 @@ def test_non_finite_junk_outside_sequences_stays_out(rng):
   assert torch.isfinite(out).all()
   assert same_bits(out, want)
   assert np.array_equal(f32_bits(lse), f32_bits(want_lse))
+  # The backward's dK/dV reads query and gradient rows past a sequence's
+  # end (the next row's padding): junk there too.
+  q[junk] = np.inf
+  g = rng.standard_normal(q.shape)
+  g[junk] = np.nan
+  got = _torch_grads("cuda_ffi", t(q), t(k), t(v), t(g), mask=mask_t)
+  want_grads = _torch_grads("triton", t(q), t(k), t(v), t(g), mask=mask_t)
+  for a, b in zip(got, want_grads):
+    assert torch.isfinite(a[torch.as_tensor(mask)]).all()
+    assert same_bits(a, b)
   q, k, v, cu, _ = pack_sequences(seqs, spare=40)
   v[cu[-1]:] = np.nan
   args = [torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (q, k, v)]

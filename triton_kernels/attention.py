@@ -59,8 +59,8 @@ from triton_kernels.backend import (Launcher, interpreted, jax_triton,
                                     triton, tl)
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
-           "PreparedForward",
-           "backward_jax", "backward_torch", "LOG2E"]
+           "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
+           "delta_torch", "dq_jax", "dq_torch", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -776,42 +776,83 @@ def _bwd_meta(statics):
   return dict(statics.constants(), scale=statics.scale)
 
 
-def backward_jax(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
-                 statics: Statics, config: AttentionConfig):
-  """(dq, dk, dv) in the operands' dtypes. Rows no tile covers are not
-  written (the caller masks them)."""
+def delta_jax(out, g):
+  """f32 ``[Tq, Hq]``: sum(out * g) per row, the backward's first step."""
   import jax
-  jt = jax_triton()
-  tq, hq, d = q.shape
-  tk, hkv, _ = k.shape
-  delta = jt.triton_call(
+  tq, hq, d = out.shape
+  return jax_triton().triton_call(
       out, g, kernel=_bwd_delta_kernel,
       out_shape=jax.ShapeDtypeStruct((tq, hq), "float32"),
       grid=(triton.cdiv(tq * hq, _DELTA_BLOCK),), num_warps=4,
       name="rlk_det_attention_bwd_delta", n_rows=tq * hq,
       stride_ot=hq * d, stride_oh=d, stride_dt=hq * d, stride_dh=d,
       n_heads=hq, HEAD_DIM=d, BLOCK=_DELTA_BLOCK)
-  common = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                     "stride_vt", "stride_vh", "stride_dot", "stride_doh"),
-                    _strides(q, k, v, g)),
-                n_seqs=seqs.shape[1], stride_lt=hq, INTERPRETED=False,
-                **_bwd_meta(statics))
+
+
+def _bwd_common_jax(q, k, v, g, seqs, statics):
+  return dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                   "stride_vt", "stride_vh", "stride_dot", "stride_doh"),
+                  _strides(q, k, v, g)),
+              n_seqs=seqs.shape[1], stride_lt=q.shape[1], INTERPRETED=False,
+              **_bwd_meta(statics))
+
+
+def dq_jax(q, k, v, g, lse, delta, seqs, q_tiles, statics: Statics,
+           config: AttentionConfig):
+  """dq in q's dtype (`q_tiles`: a map of config.dq_tiles()[0]-row tiles)."""
+  import jax
+  hq, d = q.shape[1:]
   dq_m, dq_n, dq_warps, dq_stages = config.dq_tiles()
-  dk, dv = jt.triton_call(
+  return jax_triton().triton_call(
+      q, k, v, g, lse, delta, seqs, q_tiles, kernel=_bwd_dq_kernel,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(q_tiles.shape[1], hq), num_warps=dq_warps, num_stages=dq_stages,
+      name="rlk_det_attention_bwd_dq", stride_dqt=hq * d, stride_dqh=d,
+      BLOCK_M=dq_m, BLOCK_N=dq_n, **_bwd_common_jax(q, k, v, g, seqs,
+                                                    statics))
+
+
+def backward_jax(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
+                 statics: Statics, config: AttentionConfig):
+  """(dq, dk, dv) in the operands' dtypes. Rows no tile covers are not
+  written (the caller masks them)."""
+  import jax
+  hkv, d = k.shape[1:]
+  delta = delta_jax(out, g)
+  dk, dv = jax_triton().triton_call(
       q, k, v, g, lse, delta, seqs, k_tiles, kernel=_bwd_dkdv_kernel,
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(k_tiles.shape[1], hkv), num_warps=config.bwd_num_warps,
       num_stages=config.bwd_num_stages, name="rlk_det_attention_bwd_dkdv",
       stride_dkt=hkv * d, stride_dkh=d, stride_dvt=hkv * d, stride_dvh=d,
-      BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n, **common)
-  dq = jt.triton_call(
-      q, k, v, g, lse, delta, seqs, q_tiles, kernel=_bwd_dq_kernel,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(q_tiles.shape[1], hq), num_warps=dq_warps, num_stages=dq_stages,
-      name="rlk_det_attention_bwd_dq", stride_dqt=hq * d, stride_dqh=d,
-      BLOCK_M=dq_m, BLOCK_N=dq_n, **common)
+      BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
+      **_bwd_common_jax(q, k, v, g, seqs, statics))
+  dq = dq_jax(q, k, v, g, lse, delta, seqs, q_tiles, statics, config)
   return dq, dk, dv
+
+
+def delta_torch(out, g):
+  """f32 ``[Tq, Hq]``: sum(out * g) per row (out, g contiguous)."""
+  import torch
+  tq, hq, d = out.shape
+  delta = torch.empty((tq, hq), dtype=torch.float32, device=out.device)
+  _bwd_delta_kernel[(triton.cdiv(tq * hq, _DELTA_BLOCK),)](
+      out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
+      BLOCK=_DELTA_BLOCK, num_warps=4)
+  return delta
+
+
+def dq_torch(q, k, v, g, lse, delta, seqs, q_tiles, dq, statics: Statics,
+             config: AttentionConfig):
+  """Writes dq (rows as `forward_torch` reads q) and returns it."""
+  dq_m, dq_n, dq_warps, dq_stages = config.dq_tiles()
+  _bwd_dq_kernel[(q_tiles.shape[1], q.shape[1])](
+      q, k, v, g, lse, delta, seqs, q_tiles, dq, seqs.shape[1],
+      *row_strides(q, k, v, g), q.shape[1], *row_strides(dq),
+      num_warps=dq_warps, num_stages=dq_stages, BLOCK_M=dq_m, BLOCK_N=dq_n,
+      INTERPRETED=interpreted(), **_bwd_meta(statics))
+  return dq
 
 
 def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
@@ -819,25 +860,15 @@ def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
   """Writes dq, dk, dv and returns them. out and g are contiguous [Tq, Hq,
   D]; q, k, v, dq, dk, dv are rows as `forward_torch` reads them (dk and dv
   with k's and v's row numbering: `seqs` counts both)."""
-  import torch
-  tq, hq, d = q.shape
-  hkv = k.shape[-2]
-  delta = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
-  _bwd_delta_kernel[(triton.cdiv(tq * hq, _DELTA_BLOCK),)](
-      out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
-      BLOCK=_DELTA_BLOCK, num_warps=4)
-  strides = row_strides(q, k, v, g)
-  meta = dict(INTERPRETED=interpreted(), **_bwd_meta(statics))
-  dq_m, dq_n, dq_warps, dq_stages = config.dq_tiles()
-  _bwd_dkdv_kernel[(k_tiles.shape[1], hkv)](
-      q, k, v, g, lse, delta, seqs, k_tiles, dk, dv, seqs.shape[1], *strides,
-      hq, *row_strides(dk, dv), num_warps=config.bwd_num_warps,
-      num_stages=config.bwd_num_stages, BLOCK_M=config.bwd_block_m,
-      BLOCK_N=config.bwd_block_n, **meta)
-  _bwd_dq_kernel[(q_tiles.shape[1], hq)](
-      q, k, v, g, lse, delta, seqs, q_tiles, dq, seqs.shape[1], *strides, hq,
-      *row_strides(dq), num_warps=dq_warps, num_stages=dq_stages,
-      BLOCK_M=dq_m, BLOCK_N=dq_n, **meta)
+  hq = q.shape[1]
+  delta = delta_torch(out, g)
+  _bwd_dkdv_kernel[(k_tiles.shape[1], k.shape[-2])](
+      q, k, v, g, lse, delta, seqs, k_tiles, dk, dv, seqs.shape[1],
+      *row_strides(q, k, v, g), hq, *row_strides(dk, dv),
+      num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
+      BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
+      INTERPRETED=interpreted(), **_bwd_meta(statics))
+  dq_torch(q, k, v, g, lse, delta, seqs, q_tiles, dq, statics, config)
   return dq, dk, dv
 
 

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "ffi_traits.h"
 
@@ -153,14 +154,15 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[4][4]) {
   }
 }
 
-// Keys past the sequence's end in a block's v tile hold another sequence's
-// rows, a padded batch's junk or a pack's spare rows: p is 0 there, but 0
-// times a non-finite value is NaN, so the rows are zeroed before the p v
-// product reads them (the Triton kernel loads them as zeros: the same bits).
-// Both warpgroups write the same zeros; each makes its own writes (generic
-// proxy) visible to its product (async proxy) before issuing it.
+// Rows of a 64-row tile past the sequence's end (the forward's keys in a v
+// tile, the backward's queries in q and do tiles) hold another sequence's
+// rows, a padded batch's junk or a pack's spare rows: their weights are 0,
+// but 0 times a non-finite value is NaN, so the rows are zeroed before a
+// product reads them (the Triton kernels load them as zeros: the same
+// bits). Both warpgroups write the same zeros; each makes its own writes
+// (generic proxy) visible to its products (async proxy) before issuing them.
 template <int D>
-__device__ __forceinline__ void ZeroTailKeys(uint16_t* tile, int from, int t,
+__device__ __forceinline__ void ZeroTailRows(uint16_t* tile, int from, int t,
                                              int wg) {
   constexpr int kChunks = (D / kAtom) * kBlockN * 8;  // 16-byte chunks
   for (int c = t; c < kChunks; c += 128) {
@@ -612,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       BarWait(&smem.k_full[stage], phase);
       BarWait(&smem.v_full[prev_stage], prev_phase);
       if (prev_start + kBlockN > k_len) {
-        ZeroTailKeys<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
+        ZeroTailRows<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
       }
       const ScoreDescs<D> score_descs(q_addr, SmemAddr(smem.k[stage]));
       const ValueDescs value_descs(SmemAddr(smem.v[prev_stage]));
@@ -647,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The chunk's last p v, then its fold.
     BarWait(&smem.v_full[prev_stage], prev_phase);
     if (prev_start + kBlockN > k_len) {
-      ZeroTailKeys<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
+      ZeroTailRows<D>(smem.v[prev_stage], k_len - prev_start, t, wg);
     }
     const ValueDescs last_descs(SmemAddr(smem.v[prev_stage]));
     NamedSync(1 + wg);
@@ -682,6 +684,254 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint32_t*>(dst + 8 * i) = pair;
     }
     if (quad == 0) params.lse[row * params.hq + head] = lse;
+  }
+}
+
+// ---- The backward's dK/dV -------------------------------------------------
+// triton_kernels/attention.py's _bwd_dkdv_kernel, instruction for
+// instruction, two of its programs (64 keys each) to a CTA sharing their
+// query blocks' loads. Why each key's gradient has that kernel's bits:
+// * A warpgroup owns the Triton program's 64 keys and walks the same query
+//   blocks (64 rows) in the same order: its group's query heads in turn,
+//   each from the block holding the first query that may see its first key
+//   (the window's last, windowed) to the sequence's end. Blocks the other
+//   warpgroup needs and this one does not are skipped, as that program
+//   never visits them.
+// * The products are the same instructions: k q^T and v do^T are wgmma
+//   m64n64k16 from 128-byte swizzled shared memory (both K-major), the
+//   first of their D / 16 k-steps ignoring the accumulator; dv += p do and
+//   dk += ds q are wgmma m64nDk16 with p and ds in registers (cvt.rn) and do
+//   and q MN-major, onto accumulators that start at zero.
+// * The scalar steps are that kernel's PTX: -lse log2(e) as fma.rn(lse,
+//   -log2 e, 0), p = ex2.approx.ftz(fma.rn(x, scale2, -lse2)) where the key
+//   is visible (else 0), ds = p * (dp - delta) (sub, then mul), dk * scale
+//   at the end.
+// * Query rows past the sequence's end read as zeros there; here they hold
+//   another sequence's rows or junk, so they are zeroed in shared memory
+//   (and their lse and delta are 0) before a product reads them.
+
+constexpr int kDkdvKeys = 128;  // keys a CTA: 64 per consumer warpgroup
+constexpr int kDkdvRows = 64;   // query rows a step (the Triton BLOCK_M)
+
+template <int D>
+constexpr int DkdvStages() { return D == 128 ? 3 : 4; }
+
+template <int D>
+struct DkdvStorage {
+  alignas(1024) uint16_t k[kDkdvKeys * D];  // [D / 64][128 keys][64]
+  alignas(1024) uint16_t v[kDkdvKeys * D];
+  alignas(1024) uint16_t q[DkdvStages<D>()][kDkdvRows * D];  // [D / 64][64][64]
+  alignas(1024) uint16_t dout[DkdvStages<D>()][kDkdvRows * D];
+  float neg_lse2[DkdvStages<D>()][kDkdvRows];
+  float delta[DkdvStages<D>()][kDkdvRows];
+  alignas(8) uint64_t kv_full;
+  uint64_t full[DkdvStages<D>()];
+  uint64_t empty[DkdvStages<D>()];
+};
+
+struct DkdvParams {
+  const int32_t* seqs;   // [4, n_seqs]: q_start, q_len, k_start, k_len
+  const int32_t* tiles;  // [2, n_tiles]: sequence (-1: none), first key
+  const float* lse;      // [Tq, Hq]
+  const float* delta;    // [Tq, Hq]: sum(o * do) per row
+  void* dk;
+  void* dv;
+  int64_t dk_token_stride, dk_head_stride, dv_token_stride, dv_head_stride;
+  int n_seqs, n_tiles, group, hq;
+  float scale, scale2;
+  int window;
+};
+
+// The query blocks [lo, hi) the Triton program of 64 keys from `j0` walks.
+template <bool kWindowed>
+__device__ __forceinline__ void DkdvBlocks(int j0, int offset, int q_len,
+                                           int k_len, int window, int& lo,
+                                           int& hi) {
+  lo = max(j0 - offset, 0) / kDkdvRows * kDkdvRows;
+  hi = q_len;
+  if constexpr (kWindowed) hi = min(q_len, j0 + 63 + window - offset);
+  if (j0 >= k_len) hi = lo;  // no keys: a warpgroup past the sequence's end
+}
+
+template <int D, bool kHalf, bool kWindowed>
+__global__ void __launch_bounds__(kThreads, 1)
+    AttentionDkdvKernel(const __grid_constant__ CUtensorMap q_map,
+                        const __grid_constant__ CUtensorMap k_map,
+                        const __grid_constant__ CUtensorMap v_map,
+                        const __grid_constant__ CUtensorMap do_map,
+                        const DkdvParams params) {
+  constexpr int S = DkdvStages<D>();
+  constexpr int kAtoms = D / kAtom;
+  extern __shared__ uint8_t raw_smem[];
+  auto& smem = *reinterpret_cast<DkdvStorage<D>*>(
+      (reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t{1023});
+  const int tile = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int seq = params.tiles[tile];
+  if (seq < 0) return;  // the whole CTA, before any barrier
+  const int j0 = params.tiles[params.n_tiles + tile];
+  const int n = params.n_seqs;
+  const int q_start = params.seqs[seq], q_len = params.seqs[n + seq];
+  const int k_start = params.seqs[2 * n + seq], k_len = params.seqs[3 * n + seq];
+  const int offset = k_len - q_len;  // position of query 0
+  int lo[2], hi[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    DkdvBlocks<kWindowed>(j0 + w * 64, offset, q_len, k_len, params.window,
+                          lo[w], hi[w]);
+  }
+  // Both warpgroups' blocks, loaded once (lo[0] <= lo[1]).
+  const int all_lo = lo[0], all_hi = max(hi[0], hi[1]);
+  const int warpgroup = __shfl_sync(0xFFFFFFFFu, threadIdx.x / 128, 0);
+
+  if (threadIdx.x == 0) {
+    BarInit(&smem.kv_full, 1);
+    for (int i = 0; i < S; ++i) {
+      BarInit(&smem.full[i], 33);  // the TMA thread's expect_tx + 32 lanes
+      BarInit(&smem.empty[i], 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer: lane 0 of warp 0 issues the TMA loads; the warp's lanes
+    // load each block's lse and delta (two rows each).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      BarExpectTx(&smem.kv_full, 2 * kDkdvKeys * D * 2);
+      for (int a = 0; a < kAtoms; ++a) {
+        for (int half = 0; half < 2; ++half) {
+          const int dst = (a * kDkdvKeys + half * 64) * kAtom;
+          const int row = k_start + j0 + half * 64;
+          TmaLoad(&smem.k[dst], &k_map, &smem.kv_full, a * kAtom, kv_head, row);
+          TmaLoad(&smem.v[dst], &v_map, &smem.kv_full, a * kAtom, kv_head, row);
+        }
+      }
+    }
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int g = 0; g < params.group; ++g) {
+      const int head = kv_head * params.group + g;
+      for (int i0 = all_lo; i0 < all_hi; i0 += kDkdvRows) {
+        BarWait(&smem.empty[stage], phase ^ 1);
+        if (lane == 0) {
+          BarExpectTx(&smem.full[stage], 2 * kDkdvRows * D * 2);
+          for (int a = 0; a < kAtoms; ++a) {
+            TmaLoad(&smem.q[stage][a * kDkdvRows * kAtom], &q_map,
+                    &smem.full[stage], a * kAtom, head, q_start + i0);
+            TmaLoad(&smem.dout[stage][a * kDkdvRows * kAtom], &do_map,
+                    &smem.full[stage], a * kAtom, head, q_start + i0);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = i0 + 2 * lane + r;
+          const int64_t row = int64_t(q_start + i) * params.hq + head;
+          const bool ok = i < q_len;
+          const float lse = ok ? params.lse[row] : 0.0f;
+          smem.neg_lse2[stage][2 * lane + r] =
+              __fmaf_rn(lse, -1.4426950408889634f, 0.0f);
+          smem.delta[stage][2 * lane + r] = ok ? params.delta[row] : 0.0f;
+        }
+        BarArrive(&smem.full[stage]);
+        Advance<S>(stage, phase);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+  const int wg = warpgroup - 1;  // keys j0 + 64 wg ...
+  const int t = threadIdx.x % 128;
+  const int lane = t % 32, quad = lane % 4;
+  const int jw = j0 + wg * 64;
+  const int key0 = jw + (t / 32) * 16 + lane / 4;  // and key0 + 8
+  const uint32_t k_addr = SmemAddr(smem.k) + wg * 64 * kRowBytes;
+  const uint32_t v_addr = SmemAddr(smem.v) + wg * 64 * kRowBytes;
+  const int my_lo = wg == 0 ? lo[0] : lo[1], my_hi = wg == 0 ? hi[0] : hi[1];
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.0f;
+  BarWait(&smem.kv_full, 0);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int g = 0; g < params.group; ++g) {
+    for (int i0 = all_lo; i0 < all_hi; i0 += kDkdvRows) {
+      BarWait(&smem.full[stage], phase);
+      if (i0 >= my_lo && i0 < my_hi) {
+        if (i0 + kDkdvRows > q_len) {
+          ZeroTailRows<D>(smem.q[stage], q_len - i0, t, wg);
+          ZeroTailRows<D>(smem.dout[stage], q_len - i0, t, wg);
+        }
+        float s[32], dp[32];
+        const ScoreDescs<D> score_descs(k_addr, SmemAddr(smem.q[stage]));
+        const ScoreDescs<D> dp_descs(v_addr, SmemAddr(smem.dout[stage]));
+        WgmmaFence();
+        IssueScores<D, kHalf>(s, score_descs);
+        IssueScores<D, kHalf>(dp, dp_descs);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(s);
+        FenceRegs(dp);
+        // Every key of the warpgroup sees every row of the block: no mask
+        // (the mask would pick the same values).
+        const bool all_visible = !kWindowed && i0 + offset >= jw + 63 &&
+                                 i0 + kDkdvRows <= q_len;
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          const int col = 8 * (e / 4) + 2 * quad + e % 2;
+          float p = Ex2(__fmaf_rn(s[e], params.scale2,
+                                  smem.neg_lse2[stage][col]));
+          if (!all_visible) {
+            const int i = i0 + col, key = key0 + 8 * ((e / 2) % 2);
+            bool visible = key <= offset + i && i < q_len;
+            if constexpr (kWindowed) visible = visible && key > offset + i - params.window;
+            if (!visible) p = 0.0f;
+          }
+          dp[e] = __fmul_rn(p, __fsub_rn(dp[e], smem.delta[stage][col]));
+          s[e] = p;
+        }
+        uint32_t p[4][4], ds[4][4];
+        PackP<kHalf>(s, p);
+        PackP<kHalf>(dp, ds);
+        const ValueDescs do_descs(SmemAddr(smem.dout[stage]));
+        const ValueDescs q_descs(SmemAddr(smem.q[stage]));
+        WgmmaFence();
+        IssueValues<D, kHalf>(dv, p, do_descs);
+        IssueValues<D, kHalf>(dk, ds, q_descs);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(dv);
+        FenceRegs(dk);
+        FenceRegs(p);
+        FenceRegs(ds);
+      }
+      Release(&smem.empty[stage], lane);
+      Advance<S>(stage, phase);
+    }
+  }
+
+  using T = std::conditional_t<kHalf, __half, __nv_bfloat16>;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    if (key >= k_len) continue;
+    const int64_t row = k_start + key;
+    T* dk_row = static_cast<T*>(params.dk) + row * params.dk_token_stride +
+                kv_head * params.dk_head_stride + 2 * quad;
+    T* dv_row = static_cast<T*>(params.dv) + row * params.dv_token_stride +
+                kv_head * params.dv_head_stride + 2 * quad;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int e = 4 * i + 2 * h;
+      *reinterpret_cast<uint32_t*>(dk_row + 8 * i) = Pack<kHalf>(
+          __fmul_rn(dk[e], params.scale), __fmul_rn(dk[e + 1], params.scale));
+      *reinterpret_cast<uint32_t*>(dv_row + 8 * i) =
+          Pack<kHalf>(dv[e], dv[e + 1]);
+    }
   }
 }
 
@@ -725,38 +975,59 @@ bool RowsMap(CUtensorMap* map, const void* base, bool half, int64_t rows,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int D, bool kHalf, bool kWindowed>
-cudaError_t Launch(cudaStream_t stream, const CUtensorMap& q,
-                   const CUtensorMap& k, const CUtensorMap& v,
-                   const Params& params) {
-  auto kernel = AttentionForwardKernel<D, kHalf, kWindowed>;
-  const int bytes = sizeof(SharedStorage<D>) + 1024;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (attr != cudaSuccess) return attr;
-  kernel<<<dim3(params.n_tiles, params.hq), kThreads, bytes, stream>>>(
-      q, k, v, params);
-  return cudaGetLastError();
+// Runs f(D, half, windowed) with the three as compile-time constants
+// (std::integral_constant / bool_constant), for the head dims 64 and 128.
+template <typename F>
+cudaError_t Dispatch(int64_t d, bool half, bool windowed, F&& f) {
+  auto flags = [&](auto dim) {
+    if (half) {
+      return windowed ? f(dim, std::true_type{}, std::true_type{})
+                      : f(dim, std::true_type{}, std::false_type{});
+    }
+    return windowed ? f(dim, std::false_type{}, std::true_type{})
+                    : f(dim, std::false_type{}, std::false_type{});
+  };
+  return d == 128 ? flags(std::integral_constant<int, 128>{})
+                  : flags(std::integral_constant<int, 64>{});
 }
 
-template <int D>
-cudaError_t LaunchFor(bool half, bool windowed, cudaStream_t stream,
-                      const CUtensorMap& q, const CUtensorMap& k,
-                      const CUtensorMap& v, const Params& params) {
-  if (half) {
-    return windowed ? Launch<D, true, true>(stream, q, k, v, params)
-                    : Launch<D, true, false>(stream, q, k, v, params);
-  }
-  return windowed ? Launch<D, false, true>(stream, q, k, v, params)
-                  : Launch<D, false, false>(stream, q, k, v, params);
+// Launches kKernel with `bytes` of dynamic shared memory (its attribute set
+// once per kernel: a template argument, so each instantiation has its own).
+template <auto kKernel, typename... Args>
+cudaError_t LaunchWithSmem(int bytes, dim3 grid, cudaStream_t stream,
+                           const Args&... args) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (attr != cudaSuccess) return attr;
+  kKernel<<<grid, kThreads, bytes, stream>>>(args...);
+  return cudaGetLastError();
 }
 
 thread_local std::string last_error;
 
-const char* Error(const std::string& message) {
-  last_error = "rlk_attention_forward_sm90: " + message;
+const char* Error(const char* entry, const std::string& message) {
+  last_error = std::string(entry) + ": " + message;
   return last_error.c_str();
 }
+
+// What both kernels refuse: head dims other than 64 and 128, query heads
+// that are not a multiple of the key heads.
+const char* CheckHeads(const char* entry, int64_t d, int64_t hq, int64_t hkv) {
+  if (d != 64 && d != 128) {
+    return Error(entry, "head dim " + std::to_string(d) + " (64 or 128 only)");
+  }
+  if (hkv <= 0 || hq % hkv != 0) {
+    return Error(entry, "hq = " + std::to_string(hq) +
+                            " is not a multiple of hkv = " + std::to_string(hkv));
+  }
+  return nullptr;
+}
+
+constexpr char kForward[] = "rlk_attention_forward_sm90";
+constexpr char kDkdv[] = "rlk_attention_dkdv_sm90";
+constexpr char kRefusedMap[] =
+    "cuTensorMapEncodeTiled refused an operand (addresses and strides must "
+    "be multiples of 16 bytes)";
 
 // Checks, maps the operands and launches; NULL or an error message.
 const char* LaunchForward(cudaStream_t stream, const void* q, const void* k,
@@ -769,29 +1040,67 @@ const char* LaunchForward(cudaStream_t stream, const void* q, const void* k,
                           int64_t k_head_stride, int64_t v_token_stride,
                           int64_t v_head_stride, float scale2, int64_t window,
                           bool half) {
-  if (d != 64 && d != 128) {
-    return Error("head dim " + std::to_string(d) + " (64 or 128 only)");
-  }
-  if (hkv <= 0 || hq % hkv != 0) {
-    return Error("hq = " + std::to_string(hq) + " is not a multiple of hkv = " +
-                 std::to_string(hkv));
-  }
+  if (const char* e = CheckHeads(kForward, d, hq, hkv)) return e;
   if (n_tiles == 0 || q_rows == 0) return nullptr;
   CUtensorMap q_map, k_map, v_map;
   if (!RowsMap(&q_map, q, half, q_rows, hq, d, q_token_stride, q_head_stride) ||
       !RowsMap(&k_map, k, half, k_rows, hkv, d, k_token_stride, k_head_stride) ||
       !RowsMap(&v_map, v, half, k_rows, hkv, d, v_token_stride, v_head_stride)) {
-    return Error("cuTensorMapEncodeTiled refused an operand (addresses and "
-                 "strides must be multiples of 16 bytes)");
+    return Error(kForward, kRefusedMap);
   }
   const Params params{seqs, tiles, out, lse, static_cast<int>(n_seqs),
                       static_cast<int>(n_tiles), static_cast<int>(hq / hkv),
                       static_cast<int>(hq), scale2, static_cast<int>(window)};
-  const bool windowed = window > 0;
-  const cudaError_t err =
-      d == 128 ? LaunchFor<128>(half, windowed, stream, q_map, k_map, v_map, params)
-               : LaunchFor<64>(half, windowed, stream, q_map, k_map, v_map, params);
-  return err == cudaSuccess ? nullptr : Error(cudaGetErrorString(err));
+  const cudaError_t err = Dispatch(d, half, window > 0, [&](auto dim, auto h, auto w) {
+    constexpr int D = decltype(dim)::value;
+    return LaunchWithSmem<AttentionForwardKernel<D, decltype(h)::value,
+                                                 decltype(w)::value>>(
+        sizeof(SharedStorage<D>) + 1024, dim3(params.n_tiles, params.hq),
+        stream, q_map, k_map, v_map, params);
+  });
+  return err == cudaSuccess ? nullptr : Error(kForward, cudaGetErrorString(err));
+}
+
+// The backward's dK/dV: q and do [q_rows, hq, D] (do contiguous), k and v
+// [k_rows, hkv, D] (token and head strides in elements), lse and delta f32
+// [q_rows, hq] contiguous, tiles the map of 128-key tiles; dk and dv written
+// with their own strides. NULL or an error message.
+const char* LaunchDkdv(cudaStream_t stream, const void* q, const void* k,
+                       const void* v, const void* dout, const float* lse,
+                       const float* delta, const int32_t* seqs,
+                       const int32_t* tiles, void* dk, void* dv,
+                       int64_t n_seqs, int64_t n_tiles, int64_t hq,
+                       int64_t hkv, int64_t d, int64_t q_rows,
+                       int64_t q_token_stride, int64_t q_head_stride,
+                       int64_t k_rows, int64_t k_token_stride,
+                       int64_t k_head_stride, int64_t v_token_stride,
+                       int64_t v_head_stride, int64_t dk_token_stride,
+                       int64_t dk_head_stride, int64_t dv_token_stride,
+                       int64_t dv_head_stride, float scale, float scale2,
+                       int64_t window, bool half) {
+  if (const char* e = CheckHeads(kDkdv, d, hq, hkv)) return e;
+  if (n_tiles == 0 || k_rows == 0) return nullptr;
+  CUtensorMap q_map, k_map, v_map, do_map;
+  if (!RowsMap(&q_map, q, half, q_rows, hq, d, q_token_stride, q_head_stride) ||
+      !RowsMap(&do_map, dout, half, q_rows, hq, d, hq * d, d) ||
+      !RowsMap(&k_map, k, half, k_rows, hkv, d, k_token_stride, k_head_stride) ||
+      !RowsMap(&v_map, v, half, k_rows, hkv, d, v_token_stride, v_head_stride)) {
+    return Error(kDkdv, kRefusedMap);
+  }
+  const DkdvParams params{seqs, tiles, lse, delta, dk, dv, dk_token_stride,
+                          dk_head_stride, dv_token_stride, dv_head_stride,
+                          static_cast<int>(n_seqs), static_cast<int>(n_tiles),
+                          static_cast<int>(hq / hkv), static_cast<int>(hq),
+                          scale, scale2, static_cast<int>(window)};
+  const cudaError_t err = Dispatch(d, half, window > 0, [&](auto dim, auto h, auto w) {
+    constexpr int D = decltype(dim)::value;
+    return LaunchWithSmem<AttentionDkdvKernel<D, decltype(h)::value,
+                                              decltype(w)::value>>(
+        sizeof(DkdvStorage<D>) + 1024,
+        dim3(params.n_tiles, static_cast<unsigned>(hkv)), stream, q_map,
+        k_map, v_map, do_map, params);
+  });
+  return err == cudaSuccess ? nullptr : Error(kDkdv, cudaGetErrorString(err));
 }
 
 // XLA: q [Tq, Hq, D], k and v [Tk, Hkv, D] rows (contiguous), seqs int32
@@ -828,6 +1137,44 @@ ffi::Error AttentionForwardFfi(cudaStream_t stream, ffi::AnyBuffer q,
   return ffi::Error::Success();
 }
 
+// XLA: the backward's dK/dV. q and do [Tq, Hq, D], k and v [Tk, Hkv, D]
+// rows (contiguous), lse and delta f32 [Tq, Hq], seqs int32 [4, B], tiles
+// int32 [2, n_tiles] (128-key tiles); dk and dv [Tk, Hkv, D] in k's dtype
+// (rows no tile covers are not written).
+ffi::Error AttentionDkdvFfi(cudaStream_t stream, ffi::AnyBuffer q,
+                            ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::F32> delta,
+                            ffi::Buffer<ffi::S32> seqs,
+                            ffi::Buffer<ffi::S32> tiles,
+                            ffi::Result<ffi::AnyBuffer> dk,
+                            ffi::Result<ffi::AnyBuffer> dv, float scale,
+                            float scale2, int64_t window) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || seqs.dimensions().size() != 2 ||
+      tiles.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(
+        std::string(kDkdv) + ": q, k, v, do must be [T, H, D] rows and seqs, "
+        "tiles 2-d");
+  }
+  const bool half = q.element_type() == ffi::F16;
+  if (!half && q.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument(std::string(kDkdv) +
+                                       ": q, k, v, do must be bf16 or f16");
+  }
+  const int64_t hq = qd[1], d = qd[2], hkv = kd[1];
+  if (const char* e = LaunchDkdv(
+          stream, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+          dout.untyped_data(), lse.typed_data(), delta.typed_data(),
+          seqs.typed_data(), tiles.typed_data(), dk->untyped_data(),
+          dv->untyped_data(), seqs.dimensions()[1], tiles.dimensions()[1], hq,
+          hkv, d, qd[0], hq * d, d, kd[0], hkv * d, d, hkv * d, d, hkv * d, d,
+          hkv * d, d, scale, scale2, window, half)) {
+    return ffi::Error::Internal(e);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace rlk
 
@@ -842,6 +1189,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkAttentionForwardSm90,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale2")
+                                  .Attr<int64_t>("window"),
+                              RLK_FFI_TRAITS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkAttentionDkdvSm90, rlk::AttentionDkdvFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
                                   .Attr<float>("scale2")
                                   .Attr<int64_t>("window"),
                               RLK_FFI_TRAITS);
@@ -869,6 +1234,33 @@ const char* rlk_attention_forward_sm90(
       n_seqs, n_tiles, hq, hkv, d, q_rows, q_token_stride, q_head_stride,
       k_rows, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
       scale2, window, is_half != 0);
+}
+
+
+// The torch bridge's entry for the backward's dK/dV (the Triton dK/dV
+// kernel's bits) on `stream`: q [q_rows, hq, D] and k, v [k_rows, hkv, D]
+// with the given strides (elements; D contiguous; 16-byte aligned), do
+// [q_rows, hq, D] contiguous, lse and delta f32 [q_rows, hq] contiguous
+// (delta = sum(o * do) as the Triton delta kernel gives it), seqs and tiles
+// (128-key tiles) as the Triton kernels read them, dk and dv with their own
+// strides. `scale` is the softmax scale, `scale2` it times log2(e). NULL or a
+// message valid until the next call on this thread.
+const char* rlk_attention_dkdv_sm90(
+    void* stream, const void* q, const void* k, const void* v,
+    const void* dout, const float* lse, const float* delta,
+    const int32_t* seqs, const int32_t* tiles, void* dk, void* dv,
+    int64_t n_seqs, int64_t n_tiles, int64_t hq, int64_t hkv, int64_t d,
+    int64_t q_rows, int64_t q_token_stride, int64_t q_head_stride,
+    int64_t k_rows, int64_t k_token_stride, int64_t k_head_stride,
+    int64_t v_token_stride, int64_t v_head_stride, int64_t dk_token_stride,
+    int64_t dk_head_stride, int64_t dv_token_stride, int64_t dv_head_stride,
+    float scale, float scale2, int64_t window, int is_half) {
+  return rlk::LaunchDkdv(
+      static_cast<cudaStream_t>(stream), q, k, v, dout, lse, delta, seqs,
+      tiles, dk, dv, n_seqs, n_tiles, hq, hkv, d, q_rows, q_token_stride,
+      q_head_stride, k_rows, k_token_stride, k_head_stride, v_token_stride,
+      v_head_stride, dk_token_stride, dk_head_stride, dv_token_stride,
+      dv_head_stride, scale, scale2, window, is_half != 0);
 }
 
 }  // extern "C"
