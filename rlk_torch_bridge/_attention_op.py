@@ -31,7 +31,8 @@ from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, float scale, "
                   "float? softcap, int? window, int heads_per_tile, "
-                  "int split_chunks, str? implementation) -> (Tensor, Tensor)")
+                  "int split_chunks, bool zero_outside, str? implementation) "
+                  "-> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
                    "Tensor lse, Tensor g, float scale, float? softcap, "
                    "int? window, str implementation) "
@@ -168,21 +169,45 @@ def _refuse_in_place(impl, k):
         "[Tk, Hkv, D] rows")
 
 
-def _key_rows_covered(seqs, k):
-  """Which of k's rows (its [B, S] tokens when read in place) lie in a
-  sequence: bool, broadcastable to k."""
-  if not in_place(k):
-    return _covered(seqs[2], seqs[3], k.shape[0])[:, None, None]
-  b, s = k.shape[:2]
-  first = seqs[2] - torch.arange(b, dtype=torch.int32, device=k.device) * (
-      k.stride(0) // k.stride(1))
-  t = torch.arange(s, device=k.device)[None]
-  return ((t >= first[:, None]) & (t < (first + seqs[3])[:, None]))[
-      :, :, None, None]
+def _fill_outside(x, starts, lengths, n_rows, value):
+  """x's rows in no sequence ([starts, starts + lengths)) set to `value`,
+  in place; x is rows ([T, H, D] or [T, H]) or [B, S, H, D] read in place
+  (`n_rows` rows as the kernels number them). On CUDA one Triton kernel
+  writes only those rows (rather than a pass over all of x); elsewhere
+  torch's ops."""
+  from triton_kernels import attention as kernels
+  if x.is_cuda and starts.shape[0] <= kernels.TILE_MAP_MAX_SEQS:
+    return kernels.fill_outside_torch(x, starts, lengths, n_rows, value)
+  if not in_place(x):
+    covered = _covered(starts, lengths, n_rows)
+    return x.masked_fill_(~covered.view((-1,) + (1,) * (x.ndim - 1)), value)
+  b, s = x.shape[:2]
+  first = starts - torch.arange(b, dtype=torch.int32, device=x.device) * (
+      x.stride(0) // x.stride(1))
+  t = torch.arange(s, device=x.device)[None]
+  covered = (t >= first[:, None]) & (t < (first + lengths)[:, None])
+  return x.masked_fill_(~covered[:, :, None, None], value)
 
 
 def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                    split_chunks, implementation):
+                    split_chunks, zero_outside, implementation):
+  out, lse = _forward_rows(q, k, v, seqs, scale, softcap, window,
+                           heads_per_tile, split_chunks, implementation)
+  if zero_outside:
+    # Rows outside every sequence (a pack's spare capacity, padding): 0,
+    # lse -inf. The kernels' outputs are fresh: filled in place.
+    if out.is_cuda and choose(implementation, "gpu") in KERNEL_ROUTES:
+      _fill_outside(out, seqs[0], seqs[1], q.shape[0], 0.0)
+      _fill_outside(lse, seqs[0], seqs[1], q.shape[0], float("-inf"))
+    else:
+      covered = _covered(seqs[0], seqs[1], q.shape[0])
+      out = torch.where(covered[:, None, None], out, 0)
+      lse = torch.where(covered[:, None], lse, float("-inf"))
+  return out, lse
+
+
+def _forward_rows(q, k, v, seqs, scale, softcap, window, heads_per_tile,
+                  split_chunks, implementation):
   impl = choose(implementation, platform_of(q))
   s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
   if (impl == "cuda_ffi" and q.is_cuda
@@ -257,7 +282,7 @@ def _sm90_forward(q, k, v, seqs, s):
 
 
 def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                  split_chunks, implementation):
+                  split_chunks, zero_outside, implementation):
   return (torch.empty_like(q),
           q.new_empty(q.shape[:2], dtype=torch.float32))
 
@@ -290,10 +315,10 @@ def _backward_kernel(q, k, v, seqs, out, lse, g, scale, softcap, window,
       kernels.backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
                              dq, dk, dv, statics, config)
     # Rows outside every sequence are left unwritten by the kernels.
-    q_in = _covered(seqs[0], seqs[1], q.shape[0])[:, None, None]
-    k_in = _key_rows_covered(seqs, k)
-    return (dq.masked_fill_(~q_in, 0), dk.masked_fill_(~k_in, 0),
-            dv.masked_fill_(~k_in, 0))
+    k_rows = _key_rows(k)
+    return (_fill_outside(dq, seqs[0], seqs[1], q.shape[0], 0.0),
+            _fill_outside(dk, seqs[2], seqs[3], k_rows, 0.0),
+            _fill_outside(dv, seqs[2], seqs[3], k_rows, 0.0))
   _refuse_in_place(implementation, k)
   _library.refuse_capture("det_attention", implementation, q.device)
   grads = _jax_backward(implementation, s, *to_jax_all(
@@ -324,11 +349,11 @@ class DetAttention(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, q, k, v, seqs, scale, softcap, window, heads_per_tile,
-              split_chunks, implementation):
+              split_chunks, zero_outside, implementation):
     impl = choose(implementation, platform_of(q))
     out, lse = _library.below_autograd(
         FORWARD, q, k, v, seqs, scale, softcap, window, heads_per_tile,
-        split_chunks, impl)
+        split_chunks, zero_outside, impl)
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, seqs, out, lse)
     ctx.static = (scale, softcap, window, impl)
@@ -341,7 +366,7 @@ class DetAttention(torch.autograd.Function):
     g = torch.zeros_like(out) if g is None else g.to(q.dtype).contiguous()
     dq, dk, dv = _library.below_autograd(BACKWARD, q, k, v, seqs, out, lse, g,
                                          *ctx.static)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _differentiable(q, k, v, *_):

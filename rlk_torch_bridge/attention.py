@@ -118,17 +118,15 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       layout, q.shape, k.shape, hq // k.shape[-2])
   if not in_place:
     k, v = flat(k), flat(v)
+  # Rows outside every sequence (a pack's spare capacity, padding) come
+  # back 0 with lse -inf.
   out, lse = _library.call(
       _attention_op.FORWARD, flat(q), k, v, seqs.contiguous(),
       float(1.0 / math.sqrt(d) if scale is None else scale),
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),
-      heads_per_tile, split_chunks, implementation)
-  if layout == "packed" or mask is not None:
-    # Rows outside every sequence (a pack's spare capacity, padding): 0.
-    covered = _attention_op._covered(seqs[0], seqs[1], out.shape[0])
-    out = torch.where(covered[:, None, None], out, 0)
-    lse = torch.where(covered[:, None], lse, float("-inf"))
+      heads_per_tile, split_chunks, layout == "packed" or mask is not None,
+      implementation)
   if contiguous is not None:
     bad = (~contiguous).repeat_interleave(q.shape[1])
     out = out.masked_fill(bad[:, None, None], float("nan"))

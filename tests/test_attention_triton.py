@@ -192,3 +192,42 @@ def test_one_kernel_tile_map_is_the_ops_one(rng, n_seqs):
     got = kernels.tile_map_torch(lengths_t, rows, n_tiles)
     want = _attention_op._tile_map_ops(lengths_t, rows, n_tiles)
     assert torch.equal(got.cpu(), want.cpu()), rows
+
+
+@pytest.mark.parametrize("n_seqs", [1, 5, 40])
+def test_fill_outside_writes_only_rows_in_no_sequence(rng, n_seqs):
+  # The CUDA route's fill (one launch, only the rows outside) against
+  # torch's masked fill: packed rows with gaps and spare capacity, lse
+  # rows, and [B, S, H, D] tokens read in place (a transposed cache).
+  lengths = rng.integers(0, 30, size=n_seqs).astype(np.int32)
+  gaps = rng.integers(0, 4, size=n_seqs).astype(np.int32)
+  starts = (np.cumsum(lengths + gaps) - lengths).astype(np.int32)
+  n_rows = int(starts[-1] + lengths[-1]) + 7
+  s_t, l_t = (torch.tensor(x, device=DEVICE) for x in (starts, lengths))
+  covered = _attention_op._covered(s_t, l_t, n_rows)
+  for shape, value in (((n_rows, 3, 8), 0.0), ((n_rows, 3), float("-inf"))):
+    x = torch.tensor(rng.standard_normal(shape), dtype=torch.float32,
+                     device=DEVICE)
+    want = x.masked_fill(~covered.view((-1,) + (1,) * (x.ndim - 1)), value)
+    assert torch.equal(kernels.fill_outside_torch(x, s_t, l_t, n_rows, value),
+                       want)
+  # In place: batch row b's token t is row b * stride(0) / stride(1) + t of
+  # a [B, H, S', D] cache seen as [B, S, H, D], sequence b at `first[b]`
+  # in its batch row.
+  b, s, slots = 3, 12, 16
+  first = np.array([0, 5, 2], np.int32)
+  n = np.array([12, 7, 0], np.int32)
+  cache = torch.tensor(rng.standard_normal((b, 2, slots, 8)),
+                       dtype=torch.float32, device=DEVICE)
+  x = cache.transpose(1, 2)[:, :s]
+  per_batch_row = x.stride(0) // x.stride(1)
+  seq_starts = torch.tensor(first + np.arange(b, dtype=np.int32)
+                            * per_batch_row, device=DEVICE)
+  lens = torch.tensor(n, device=DEVICE)
+  rows = (b - 1) * per_batch_row + s
+  want = x.clone()
+  for i in range(b):
+    want[i, :first[i]] = 0
+    want[i, first[i] + n[i]:] = 0
+  kernels.fill_outside_torch(x, seq_starts, lens, rows, 0.0)
+  assert torch.equal(x, want)

@@ -60,7 +60,8 @@ from triton_kernels.backend import (Launcher, interpreted, jax_triton,
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
-           "delta_torch", "dq_jax", "dq_torch", "LOG2E"]
+           "delta_torch", "dq_jax", "dq_torch", "fill_outside_torch",
+           "LOG2E"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -589,6 +590,34 @@ if triton is not None:
     tl.store(out_ptr + n_tiles + t, tl.where(valid, (t - first_tile) * ROWS, 0),
              mask=ok)
 
+  @triton.jit
+  def _fill_outside_kernel(x_ptr, start_ptr, len_ptr, n_seqs, n_rows,
+                           period, tokens, stride_r, stride_h, width, value,
+                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Rows of x in no sequence get `value`; a program tests BLOCK_R rows
+    # against every sequence and writes only the rows outside all of them
+    # (row r's element c is at r stride_r + (c / D) stride_h + c % D).
+    # Only rows r with r % period < tokens are x's: in a [B, S, H, D] view
+    # of a [B, H, S', D] cache the others alias other tokens' heads.
+    s = tl.arange(0, BLOCK_S)
+    real = s < n_seqs
+    starts = tl.load(start_ptr + s, mask=real, other=0)
+    ends = starts + tl.load(len_ptr + s, mask=real, other=0)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = (r[:, None] >= starts[None, :]) & (r[:, None] < ends[None, :])
+    fill = ((r < n_rows) & (r % period < tokens)
+            & (tl.max(inside.to(tl.int32), 1) == 0))
+    if tl.max(fill.to(tl.int32), 0) > 0:
+      for c0 in range(0, width, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        offsets = (r.to(tl.int64)[:, None] * stride_r
+                   + (c // HEAD_DIM).to(tl.int64)[None, :] * stride_h
+                   + (c % HEAD_DIM)[None, :])
+        values = tl.zeros((BLOCK_R, BLOCK_C), tl.float32) + value
+        tl.store(x_ptr + offsets, values.to(x_ptr.dtype.element_ty),
+                 mask=fill[:, None] & (c < width)[None, :])
+
 
 if triton is not None:
   _launch_fwd = Launcher(_fwd_kernel)
@@ -891,6 +920,29 @@ def tile_map_torch(lengths, rows_per_tile: int, n_tiles: int):
       lengths, out, n, n_tiles, ROWS=rows_per_tile, BLOCK_S=block_s,
       BLOCK_T=block_t, num_warps=4)
   return out
+
+
+def fill_outside_torch(x, starts, lengths, n_rows: int, value: float):
+  """Sets x's rows that lie in no sequence ([starts, starts + lengths),
+  int32 [B], B <= TILE_MAP_MAX_SEQS) to `value`, in place, touching only
+  those rows: x is ``[T, H, D]`` or ``[T, H]`` rows, or ``[B, S, H, D]``
+  read in place (`n_rows` rows in all, as `row_strides` numbers them).
+  Returns x."""
+  if x.ndim == 2:
+    stride_r, stride_h, heads, d = x.stride(0), x.stride(1), x.shape[1], 1
+  else:
+    (stride_r, stride_h), heads, d = row_strides(x), x.shape[-2], x.shape[-1]
+  # Batch rows of a view read in place: x.stride(0) / stride(1) rows apart,
+  # x.shape[1] of them tokens.
+  period, tokens = ((x.stride(0) // x.stride(1), x.shape[1]) if x.ndim == 4
+                    else (n_rows, n_rows))
+  block_s = max(16, triton.next_power_of_2(starts.shape[0]))
+  block_r = max(1, min(64, 8192 // block_s))
+  _fill_outside_kernel[(triton.cdiv(n_rows, block_r),)](
+      x, starts, lengths, starts.shape[0], n_rows, max(period, 1), tokens,
+      stride_r, stride_h, heads * d, float(value), HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=block_s,
+      BLOCK_C=min(1024, triton.next_power_of_2(heads * d)), num_warps=4)
+  return x
 
 
 def tile_bound(n_rows: int, n_seqs: int, rows_per_tile: int) -> int:
