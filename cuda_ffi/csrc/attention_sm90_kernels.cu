@@ -856,79 +856,59 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.0f;
   BarWait(&smem.kv_full, 0);
-  // Ping-pong: the warpgroups take turns to issue their products (named
-  // barriers 1 and 2, warpgroup 0 first), a block's scores in one turn and
-  // its gradient products in the next, so one's elementwise steps run
-  // while the other's products hold the tensor cores. Both walk the same
-  // blocks, so their turns pair up; a block outside a warpgroup's range is
-  // a turn in which it issues nothing. (Order of issue only: the bits are
-  // unchanged.)
-  if (wg == 1) NamedArrive(1);
   int stage = 0;
   uint32_t phase = 0;
   for (int g = 0; g < params.group; ++g) {
     for (int i0 = all_lo; i0 < all_hi; i0 += kDkdvRows) {
       BarWait(&smem.full[stage], phase);
-      if (i0 < my_lo || i0 >= my_hi) {
-        // Not this warpgroup's block: its two turns, nothing issued.
-        NamedSync(1 + wg);
-        NamedArrive(2 - wg);
-        NamedSync(1 + wg);
-        NamedArrive(2 - wg);
-        Release(&smem.empty[stage], lane);
-        Advance<S>(stage, phase);
-        continue;
-      }
-      if (i0 + kDkdvRows > q_len) {
-        ZeroTailRows<D>(smem.q[stage], q_len - i0, t, wg);
-        ZeroTailRows<D>(smem.dout[stage], q_len - i0, t, wg);
-      }
-      float s[32], dp[32];
-      const ScoreDescs<D> score_descs(k_addr, SmemAddr(smem.q[stage]));
-      const ScoreDescs<D> dp_descs(v_addr, SmemAddr(smem.dout[stage]));
-      NamedSync(1 + wg);
-      WgmmaFence();
-      IssueScores<D, kHalf>(s, score_descs);
-      IssueScores<D, kHalf>(dp, dp_descs);
-      WgmmaCommit();
-      NamedArrive(2 - wg);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      FenceRegs(dp);
-      // Every key of the warpgroup sees every row of the block: no mask
-      // (the mask would pick the same values).
-      const bool all_visible = !kWindowed && i0 + offset >= jw + 63 &&
-                               i0 + kDkdvRows <= q_len;
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int col = 8 * (e / 4) + 2 * quad + e % 2;
-        float p = Ex2(__fmaf_rn(s[e], params.scale2,
-                                smem.neg_lse2[stage][col]));
-        if (!all_visible) {
-          const int i = i0 + col, key = key0 + 8 * ((e / 2) % 2);
-          bool visible = key <= offset + i && i < q_len;
-          if constexpr (kWindowed) visible = visible && key > offset + i - params.window;
-          if (!visible) p = 0.0f;
+      if (i0 >= my_lo && i0 < my_hi) {
+        if (i0 + kDkdvRows > q_len) {
+          ZeroTailRows<D>(smem.q[stage], q_len - i0, t, wg);
+          ZeroTailRows<D>(smem.dout[stage], q_len - i0, t, wg);
         }
-        dp[e] = __fmul_rn(p, __fsub_rn(dp[e], smem.delta[stage][col]));
-        s[e] = p;
+        float s[32], dp[32];
+        const ScoreDescs<D> score_descs(k_addr, SmemAddr(smem.q[stage]));
+        const ScoreDescs<D> dp_descs(v_addr, SmemAddr(smem.dout[stage]));
+        WgmmaFence();
+        IssueScores<D, kHalf>(s, score_descs);
+        IssueScores<D, kHalf>(dp, dp_descs);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(s);
+        FenceRegs(dp);
+        // Every key of the warpgroup sees every row of the block: no mask
+        // (the mask would pick the same values).
+        const bool all_visible = !kWindowed && i0 + offset >= jw + 63 &&
+                                 i0 + kDkdvRows <= q_len;
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          const int col = 8 * (e / 4) + 2 * quad + e % 2;
+          float p = Ex2(__fmaf_rn(s[e], params.scale2,
+                                  smem.neg_lse2[stage][col]));
+          if (!all_visible) {
+            const int i = i0 + col, key = key0 + 8 * ((e / 2) % 2);
+            bool visible = key <= offset + i && i < q_len;
+            if constexpr (kWindowed) visible = visible && key > offset + i - params.window;
+            if (!visible) p = 0.0f;
+          }
+          dp[e] = __fmul_rn(p, __fsub_rn(dp[e], smem.delta[stage][col]));
+          s[e] = p;
+        }
+        uint32_t p[4][4], ds[4][4];
+        PackP<kHalf>(s, p);
+        PackP<kHalf>(dp, ds);
+        const ValueDescs do_descs(SmemAddr(smem.dout[stage]));
+        const ValueDescs q_descs(SmemAddr(smem.q[stage]));
+        WgmmaFence();
+        IssueValues<D, kHalf>(dv, p, do_descs);
+        IssueValues<D, kHalf>(dk, ds, q_descs);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(dv);
+        FenceRegs(dk);
+        FenceRegs(p);
+        FenceRegs(ds);
       }
-      uint32_t p[4][4], ds[4][4];
-      PackP<kHalf>(s, p);
-      PackP<kHalf>(dp, ds);
-      const ValueDescs do_descs(SmemAddr(smem.dout[stage]));
-      const ValueDescs q_descs(SmemAddr(smem.q[stage]));
-      NamedSync(1 + wg);
-      WgmmaFence();
-      IssueValues<D, kHalf>(dv, p, do_descs);
-      IssueValues<D, kHalf>(dk, ds, q_descs);
-      WgmmaCommit();
-      NamedArrive(2 - wg);
-      WgmmaWait<0>();
-      FenceRegs(dv);
-      FenceRegs(dk);
-      FenceRegs(p);
-      FenceRegs(ds);
       Release(&smem.empty[stage], lane);
       Advance<S>(stage, phase);
     }
