@@ -174,6 +174,22 @@ __device__ __forceinline__ void ZeroTailRows(uint16_t* tile, int from, int t,
   asm volatile("bar.sync %0, 128;" ::"r"(3 + wg) : "memory");
 }
 
+// The dynamic shared memory as T, aligned for 128-byte swizzled tiles.
+template <typename T>
+__device__ __forceinline__ T& AlignedShared() {
+  extern __shared__ uint8_t raw_smem[];
+  return *reinterpret_cast<T*>(
+      (reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t{1023});
+}
+
+// A sequence's rows, from the [4, n_seqs] table the Triton kernels read.
+struct SeqRows {
+  int q_start, q_len, k_start, k_len;
+  __device__ __forceinline__ SeqRows(const int32_t* seqs, int n, int seq)
+      : q_start(seqs[seq]), q_len(seqs[n + seq]), k_start(seqs[2 * n + seq]),
+        k_len(seqs[3 * n + seq]) {}
+};
+
 template <int S>
 __device__ __forceinline__ void Advance(int& stage, uint32_t& phase) {
   if (++stage == S) {
@@ -478,9 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const Params params) {
   constexpr int S = Stages<D>();
   constexpr int kAtoms = D / kAtom;
-  extern __shared__ uint8_t raw_smem[];
-  auto& smem = *reinterpret_cast<SharedStorage<D>*>(
-      (reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t{1023});
+  auto& smem = AlignedShared<SharedStorage<D>>();
   // The last tiles first: in a causal walk a sequence's later tiles have
   // the most keys, and starting them first shortens the grid's tail.
   const int tile = gridDim.x - 1 - blockIdx.x;
@@ -488,9 +502,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int seq = params.tiles[tile];
   if (seq < 0) return;  // the whole CTA, before any barrier
   const int i0 = params.tiles[params.n_tiles + tile];
-  const int n = params.n_seqs;
-  const int q_start = params.seqs[seq], q_len = params.seqs[n + seq];
-  const int k_start = params.seqs[2 * n + seq], k_len = params.seqs[3 * n + seq];
+  const auto [q_start, q_len, k_start, k_len] =
+      SeqRows(params.seqs, params.n_seqs, seq);
   const int offset = k_len - q_len;  // position of query 0
   // Keys from the first block any row can see to the last row's position,
   // in blocks counted from the sequence's key 0; [0, full) every row sees.
@@ -762,17 +775,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const DkdvParams params) {
   constexpr int S = DkdvStages<D>();
   constexpr int kAtoms = D / kAtom;
-  extern __shared__ uint8_t raw_smem[];
-  auto& smem = *reinterpret_cast<DkdvStorage<D>*>(
-      (reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t{1023});
+  auto& smem = AlignedShared<DkdvStorage<D>>();
   const int tile = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int seq = params.tiles[tile];
   if (seq < 0) return;  // the whole CTA, before any barrier
   const int j0 = params.tiles[params.n_tiles + tile];
-  const int n = params.n_seqs;
-  const int q_start = params.seqs[seq], q_len = params.seqs[n + seq];
-  const int k_start = params.seqs[2 * n + seq], k_len = params.seqs[3 * n + seq];
+  const auto [q_start, q_len, k_start, k_len] =
+      SeqRows(params.seqs, params.n_seqs, seq);
   const int offset = k_len - q_len;  // position of query 0
   int lo[2], hi[2];
 #pragma unroll
