@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlk_jax import _dispatch, reference
 from triton_kernels import backend as triton_backend
@@ -51,6 +52,9 @@ class Settings:
   window: int | None
   heads_per_tile: int
   split_chunks: int = 0   # decode: key chunks in parallel programs
+  # Every q and k row lies in a sequence (a padded batch without a mask,
+  # one packed sequence): no rows outside them to zero.
+  all_rows_in: bool = False
 
 
 def _blocks(head_dim: int) -> tuple[int, int, int]:
@@ -82,13 +86,30 @@ def _tile_map(q_len, rows_per_tile: int, n_tiles: int):
                     jnp.where(valid, first, 0)]).astype(jnp.int32)
 
 
+def _tiles(seqs, which: int, rows_per_tile: int, n_rows: int,
+           settings: Settings):
+  """The tile map of the sequences' q (which=1) or k (which=3) rows,
+  `rows_per_tile` a tile, bounded by `n_rows` rows in all. Where every
+  row lies in a sequence, all of one length (settings.all_rows_in), it is
+  a constant of the shapes, made here rather than on the device."""
+  n_seqs = seqs.shape[1]
+  n_tiles = _kernels().tile_bound(n_rows, n_seqs, rows_per_tile)
+  if not settings.all_rows_in:
+    return _tile_map(seqs[which], rows_per_tile, n_tiles)
+  per_seq = -(-(n_rows // n_seqs) // rows_per_tile)
+  t = np.arange(n_tiles)
+  valid = t < n_seqs * per_seq
+  return jnp.asarray(np.stack([np.where(valid, t // per_seq, -1),
+                               np.where(valid, t % per_seq * rows_per_tile,
+                                        0)]).astype(np.int32))
+
+
 def _triton_fwd(q, k, v, seqs, settings: Settings):
   kernels = _kernels()
   config = kernels.config_for(settings.head_dim)
   hpt = settings.heads_per_tile
   tokens = config.tile_rows(bool(settings.split_chunks)) // hpt
-  n_tiles = kernels.tile_bound(q.shape[0], seqs.shape[1], tokens)
-  tiles = _tile_map(seqs[1], tokens, n_tiles)
+  tiles = _tiles(seqs, 1, tokens, q.shape[0], settings)
   return kernels.forward_jax(q, k, v, seqs, tiles, _statics(settings),
                              config, hpt, settings.split_chunks)
 
@@ -109,9 +130,7 @@ def _sm90_fwd(q, k, v, seqs, settings: Settings):
     return _triton_fwd(q, k, v, seqs, settings)
   import cuda_ffi
   kernels = _kernels()
-  rows = cuda_ffi.ATTENTION_TILE_ROWS
-  tiles = _tile_map(seqs[1], rows, kernels.tile_bound(q.shape[0],
-                                                      seqs.shape[1], rows))
+  tiles = _tiles(seqs, 1, cuda_ffi.ATTENTION_TILE_ROWS, q.shape[0], settings)
   return cuda_ffi.attention_forward(
       q, k, v, seqs, tiles, scale2=_statics(settings).constants()["scale2"],
       window=settings.window)
@@ -131,15 +150,11 @@ def covered_rows(starts, lengths, n: int):
   return jnp.cumsum(edges)[:n] > 0
 
 
-def _dq_tiles(q, seqs, config):
-  dq_rows = config.dq_tiles()[0]
-  return _tile_map(seqs[1], dq_rows, _kernels().tile_bound(
-      q.shape[0], seqs.shape[1], dq_rows))
-
-
-def _outside_zeroed(q, k, seqs, dq, dk, dv):
+def _outside_zeroed(q, k, seqs, settings, dq, dk, dv):
   """The gradients with rows outside every sequence (which the kernels
-  leave unwritten) zeroed."""
+  leave unwritten) zeroed: a pass over each, unless there are none."""
+  if settings.all_rows_in:
+    return dq, dk, dv
   q_in = covered_rows(seqs[0], seqs[1], q.shape[0])[:, None, None]
   k_in = covered_rows(seqs[2], seqs[3], k.shape[0])[:, None, None]
   zero = jnp.zeros((), q.dtype)
@@ -150,12 +165,12 @@ def _outside_zeroed(q, k, seqs, dq, dk, dv):
 def _triton_bwd(q, k, v, seqs, settings, out, lse, g):
   kernels = _kernels()
   config = kernels.config_for(settings.head_dim)
-  k_tiles = _tile_map(seqs[3], config.bwd_block_n, kernels.tile_bound(
-      k.shape[0], seqs.shape[1], config.bwd_block_n))
-  grads = kernels.backward_jax(q, k, v, out, lse, g, seqs,
-                               _dq_tiles(q, seqs, config), k_tiles,
-                               _statics(settings), config)
-  return _outside_zeroed(q, k, seqs, *grads)
+  grads = kernels.backward_jax(
+      q, k, v, out, lse, g, seqs,
+      _tiles(seqs, 1, config.dq_tiles()[0], q.shape[0], settings),
+      _tiles(seqs, 3, config.bwd_block_n, k.shape[0], settings),
+      _statics(settings), config)
+  return _outside_zeroed(q, k, seqs, settings, *grads)
 
 
 def _sm90_bwd(q, k, v, seqs, settings, out, lse, g):
@@ -168,15 +183,16 @@ def _sm90_bwd(q, k, v, seqs, settings, out, lse, g):
   config = kernels.config_for(settings.head_dim)
   statics = _statics(settings)
   delta = kernels.delta_jax(out, g)
-  keys = cuda_ffi.ATTENTION_DKDV_TILE_KEYS
-  k_tiles = _tile_map(seqs[3], keys, kernels.tile_bound(
-      k.shape[0], seqs.shape[1], keys))
+  k_tiles = _tiles(seqs, 3, cuda_ffi.ATTENTION_DKDV_TILE_KEYS, k.shape[0],
+                   settings)
   dk, dv = cuda_ffi.attention_dkdv(
       q, k, v, g, lse, delta, seqs, k_tiles, scale=settings.scale,
       scale2=statics.constants()["scale2"], window=settings.window)
-  dq = kernels.dq_jax(q, k, v, g, lse, delta, seqs,
-                      _dq_tiles(q, seqs, config), statics, config)
-  return _outside_zeroed(q, k, seqs, dq, dk, dv)
+  dq = kernels.dq_jax(
+      q, k, v, g, lse, delta, seqs,
+      _tiles(seqs, 1, config.dq_tiles()[0], q.shape[0], settings), statics,
+      config)
+  return _outside_zeroed(q, k, seqs, settings, dq, dk, dv)
 
 
 def _reference_bwd(q, k, v, seqs, settings, out, lse, g):
@@ -450,18 +466,23 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   # A KV-cache call splits its keys over programs and may pack a KV head's
   # query heads into one program (decode_plan): neither moves a bit.
   heads_per_tile, split_chunks = decode_plan(layout, q.shape, k.shape, group)
+  # A padded batch without a mask and one packed sequence leave no row
+  # outside a sequence; a KV-cache step none among its queries.
+  all_rows_in = ((layout == "padded" and mask is None)
+                 or (layout == "packed" and cu_seqlens is None))
   settings = Settings(group, d, float(1.0 / math.sqrt(d) if scale is None
                                       else scale),
                       None if softcap is None else float(softcap),
                       None if sliding_window is None else int(sliding_window),
-                      heads_per_tile, split_chunks)
+                      heads_per_tile, split_chunks, all_rows_in)
   impl = TABLE.select(implementation).name
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention_jit(impl, settings, flat(q), flat(k), flat(v), seqs)
-  # Rows no sequence covers: 0 (the kernels leave them unwritten).
-  covered = covered_rows(seqs[0], seqs[1], out.shape[0])
-  out = jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))
-  lse = jnp.where(covered[:, None], lse, -jnp.inf)
+  if not (all_rows_in or layout == "kv cache"):
+    # Rows no sequence covers: 0 (the kernels leave them unwritten).
+    covered = covered_rows(seqs[0], seqs[1], out.shape[0])
+    out = jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(covered[:, None], lse, -jnp.inf)
   if bad_rows is not None:
     out = jnp.where(bad_rows[:, None, None], jnp.nan, out)
     lse = jnp.where(bad_rows[:, None], jnp.nan, lse)

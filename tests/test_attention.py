@@ -9,6 +9,8 @@ interpreter: test_attention_triton.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -369,3 +371,23 @@ def test_decode_tile_map_is_the_general_one(b, n, rows):
                                        (("tiles", b, per_seq, rows),))
   assert torch.equal(general[:, :b * per_seq], uniform)
   assert (general[0, b * per_seq:] == -1).all()
+
+
+@pytest.mark.parametrize("b,s,rows", [(1, 300, 128), (4, 64, 64), (3, 1, 16),
+                                      (2, 130, 64)])
+def test_shape_only_tile_map_is_the_general_one(b, s, rows):
+  """JAX: where every row lies in a sequence of one length (a padded batch
+  without a mask, one packed sequence) the tile map is made from the
+  shapes; it is the map the lengths give, spare tiles included."""
+  from rlk_jax import _attention
+  starts = jnp.arange(b, dtype=jnp.int32) * s
+  lengths = jnp.full((b,), s, jnp.int32)
+  seqs = jnp.stack([starts, lengths, starts, lengths])
+  settings = _attention.Settings(2, 64, 0.125, None, None, 1,
+                                 all_rows_in=True)
+  for which in (1, 3):
+    got = _attention._tiles(seqs, which, rows, b * s, settings)
+    want = _attention._tiles(
+        seqs, which, rows, b * s,
+        dataclasses.replace(settings, all_rows_in=False))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
