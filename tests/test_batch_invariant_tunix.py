@@ -14,23 +14,11 @@ import tunix_client
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 97
 
-# Qwen 3 under jit: a few rows' logits an ulp or more off alone against in
-# a batch of 8 (its rollout still equals its trainer, below), though every
-# product and sum is rewritten (the report is empty) and eagerly (op by
-# op) the rows agree. Bisected (2026-11-27) to its attention's softmax:
-# the embeddings, norms, projections and rope give a row the same bits
-# alone; `exp(s - max(s))` does not, even in plain `jax.jit` with no
-# transformation (177 of 4608 values on a [8, 2, 2, 12, 12] array, a row
-# alone against in the batch). XLA:CPU's exp on a materialised array is
-# invariant; fused after the broadcast subtraction, its vector and scalar
-# code paths disagree on some inputs (--xla_cpu_max_isa moves the count)
-# and the fused loop's shape decides which elements take which. Llama 3's
-# shapes happen to miss it. The fix is the issue's: attention onto
-# det_attention (or exp in plain arithmetic on CPU). Strict, so a fix
-# shows up here.
-FAMILIES = ["llama3", pytest.param("qwen3", marks=pytest.mark.xfail(
-    strict=True, reason="XLA:CPU's fused exp(s - max) in Qwen 3's softmax "
-    "takes other code paths per batch shape (module comment)"))]
+# Qwen 3 failed the first test until exp was rewritten on CPU: its
+# attention's softmax, `exp(s - max(s))` fused by XLA:CPU, gave a row other
+# bits alone than in its batch even in plain `jax.jit` (rlk_jax's
+# _batch_invariant docstring says why); Llama 3's shapes happened to miss it.
+FAMILIES = ["llama3", "qwen3"]
 
 
 def _model(family):
