@@ -24,13 +24,15 @@ arguments and evaluates it equation by equation:
   ``var`` and an RMSNorm reduce; a softmax's normaliser) runs on
   ``reference.row_sum``: the cuda_ffi row kernel's order, elementwise adds
   over each row's own values, accumulated in f32.
-- ``exp`` of f32/bf16/f16 on CPU runs on ``reference.exp`` (adds,
-  multiplies and exponent bits): XLA:CPU's exp fused after a broadcast
-  (a softmax's ``exp(s - max)``) takes its vector or its scalar code path
-  per element as the loop's shape decides, and the two disagree on some
-  inputs (Tunix's Qwen 3: a row's logits alone differed from its batch's,
-  in plain ``jit`` too). Other platforms keep XLA's exp (on GPUs
-  libdevice's, one code path for every element).
+- ``exp``, ``logistic`` and ``tanh`` of f32/bf16/f16 on CPU run on
+  ``reference.exp`` / ``logistic`` / ``tanh`` (adds, multiplies, divisions
+  and exponent bits): XLA:CPU's versions fused after a broadcast (a
+  softmax's ``exp(s - max)``) take one code path or another per element as
+  the loop's shape decides, and the paths disagree on some inputs (Tunix's
+  Qwen 3: a row's logits alone differed from its batch's, in plain ``jit``
+  too). Other platforms keep XLA's (on GPUs libdevice's, one code path for
+  every element). ``log`` fused so still differs on CPU (not rewritten
+  yet).
 - Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond`` and
   ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
   through the public API with the same settings). A ``custom_jvp``
@@ -165,20 +167,26 @@ def _rewritten(eqn) -> str | None:
   if (name == "scatter-add" and _is_float(eqn.invars[0].aval)
       and _scatter_takes(eqn) is None):
     return "scatter_add"
-  if name == "exp" and eqn.invars[0].aval.dtype in _EXP_DTYPES:
-    return "exp"
+  if name in _PER_ELEMENT and eqn.invars[0].aval.dtype in _PER_ELEMENT_DTYPES:
+    return "per_element"
   return None
 
 
-_EXP_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The transcendental functions rewritten on CPU (module docstring), with
+# their plain-arithmetic forms.
+_PER_ELEMENT = {"exp": reference.exp, "logistic": reference.logistic,
+                "tanh": reference.tanh}
+_PER_ELEMENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _exp(x):
-  """exp with an element's bits its own: reference.exp on CPU (module
-  docstring), XLA's elsewhere; computed in f32 as XLA does for 2-byte
-  floats."""
-  y = jax.lax.platform_dependent(x.astype(jnp.float32), cpu=reference.exp,
-                                 default=jnp.exp)
+def _per_element(eqn, x):
+  """The equation's function with an element's bits its own: reference's
+  plain-arithmetic form on CPU (module docstring), the primitive as bound
+  elsewhere; computed in f32 as XLA does for 2-byte floats."""
+  params = eqn.params
+  y = jax.lax.platform_dependent(
+      x.astype(jnp.float32), cpu=_PER_ELEMENT[eqn.primitive.name],
+      default=lambda y: eqn.primitive.bind(y, **params))
   return y.astype(x.dtype)
 
 
@@ -259,8 +267,8 @@ class _Rules:
       return reference.row_sum(invals[0]).astype(eqn.outvars[0].aval.dtype)
     if rewrite == "scatter_add":
       return _ordered_row_scatter_add(*invals, mode=eqn.params["mode"])
-    if rewrite == "exp":
-      return _exp(invals[0])
+    if rewrite == "per_element":
+      return _per_element(eqn, invals[0])
     rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)
