@@ -191,12 +191,13 @@ def _fill_outside(x, starts, lengths, n_rows, value):
 
 def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
                     split_chunks, zero_outside, implementation):
+  impl = choose(implementation, platform_of(q))
   out, lse = _forward_rows(q, k, v, seqs, scale, softcap, window,
-                           heads_per_tile, split_chunks, implementation)
+                           heads_per_tile, split_chunks, impl)
   if zero_outside:
     # Rows outside every sequence (a pack's spare capacity, padding): 0,
     # lse -inf. The kernels' outputs are fresh: filled in place.
-    if out.is_cuda and choose(implementation, "gpu") in KERNEL_ROUTES:
+    if q.is_cuda and impl in KERNEL_ROUTES:
       _fill_outside(out, seqs[0], seqs[1], q.shape[0], 0.0)
       _fill_outside(lse, seqs[0], seqs[1], q.shape[0], float("-inf"))
     else:
@@ -207,8 +208,8 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
 
 
 def _forward_rows(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                  split_chunks, implementation):
-  impl = choose(implementation, platform_of(q))
+                  split_chunks, impl):
+  """(out, lse) of implementation `impl` (already chosen)."""
   s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
   if (impl == "cuda_ffi" and q.is_cuda
       and _attention.sm90_takes(s, _jax_dtype(q.dtype))
