@@ -5,6 +5,7 @@
     c = rlk_jax.det_gemm(a, b)        # batch-invariant a [..., K] @ b [K, N]
     o = rlk_jax.det_attention(q, k, v, cu_seqlens=cu)  # decode = prefill bits
     f = rlk_jax.batch_invariant(model_fn)  # its products and norms on rlk
+    rlk_jax.batch_invariant_sampler(tunix_sampler)  # rollouts = trainer bits
 
 Every op dispatches over an implementations table; see
 :func:`implementations` and :func:`selected_implementation`.
@@ -26,6 +27,7 @@ _EXPORTS = {
     "det_gemm": "rlk_jax._det_gemm",
     "det_attention": "rlk_jax._attention",
     "batch_invariant": "rlk_jax._batch_invariant",
+    "batch_invariant_sampler": "rlk_jax._tunix_sampler",
     "linear_logp": "rlk_jax._linear_logp",
     "next_token_targets": "rlk_jax._replay",
     "response_predict_index": "rlk_jax._replay",

@@ -24,15 +24,16 @@ arguments and evaluates it equation by equation:
   ``var`` and an RMSNorm reduce; a softmax's normaliser) runs on
   ``reference.row_sum``: the cuda_ffi row kernel's order, elementwise adds
   over each row's own values, accumulated in f32.
-- ``exp``, ``logistic`` and ``tanh`` of f32/bf16/f16 on CPU run on
-  ``reference.exp`` / ``logistic`` / ``tanh`` (adds, multiplies, divisions
-  and exponent bits): XLA:CPU's versions fused after a broadcast (a
-  softmax's ``exp(s - max)``) take one code path or another per element as
-  the loop's shape decides, and the paths disagree on some inputs (Tunix's
-  Qwen 3: a row's logits alone differed from its batch's, in plain ``jit``
-  too). Other platforms keep XLA's (on GPUs libdevice's, one code path for
-  every element). ``log`` fused so still differs on CPU (not rewritten
-  yet).
+- ``exp``, ``expm1``, ``log``, ``log1p``, ``logistic``, ``rsqrt`` and
+  ``tanh`` of f32/bf16/f16 on CPU run on ``reference``'s functions of the
+  same names (adds, multiplies, divisions, square roots and exponent
+  bits; derivatives by their own rules): XLA:CPU's versions fused after
+  a broadcast (a softmax's ``exp(s - max)``, a log-softmax's ``s -
+  log(sum)``) take one code path or another per element as the loop's
+  shape decides, and the paths disagree on some inputs (Tunix's Qwen 3: a
+  row's logits alone differed from its batch's, in plain ``jit`` too; its
+  sampler's log-probs by one ulp). Other platforms keep XLA's (on GPUs
+  libdevice's, one code path for every element).
 - Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond`` and
   ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
   through the public API with the same settings). A ``custom_jvp``
@@ -174,7 +175,9 @@ def _rewritten(eqn) -> str | None:
 
 # The transcendental functions rewritten on CPU (module docstring), with
 # their plain-arithmetic forms.
-_PER_ELEMENT = {"exp": reference.exp, "logistic": reference.logistic,
+_PER_ELEMENT = {"exp": reference.exp, "expm1": reference.expm1,
+                "log": reference.log, "log1p": reference.log1p,
+                "logistic": reference.logistic, "rsqrt": reference.rsqrt,
                 "tanh": reference.tanh}
 _PER_ELEMENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

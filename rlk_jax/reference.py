@@ -251,6 +251,102 @@ def exp(x: jax.Array) -> jax.Array:
   return (p * pow2(half)) * pow2(k - half)
 
 
+@jax.custom_jvp
+def log(x: jax.Array) -> jax.Array:
+  """The natural log in float32 from adds, multiplies, integer bit
+  operations and comparisons alone (Cephes' logf: x = m 2**e with m in
+  [sqrt(1/2), sqrt(2)), f = m - 1 exact, a degree-9 polynomial of f, e ln2
+  added with ln2 split in two), so an element's bits cannot depend on how a
+  compiler lays the loop around it out (as `exp`). Within 1 ulp of log(x)
+  for positive finite x, subnormals included: they are read from their
+  bits (their mantissa as an integer, times 2**-149), since XLA:CPU treats
+  a subnormal operand of arithmetic as zero. -inf at +-0, NaN below 0 and
+  for NaN, +inf at +inf. Returns float32."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  magnitude = bits & 0x7FFFFFFF
+  mantissa = bits & 0x007FFFFF
+  subnormal = (magnitude < 0x00800000) & (magnitude != 0)
+  # A subnormal's mantissa as a float (exact below 2**24) is a normal
+  # number 2**149 times larger.
+  normal = jnp.where(subnormal, mantissa.astype(jnp.float32),
+                     jax.lax.bitcast_convert_type(magnitude, jnp.float32))
+  nbits = jax.lax.bitcast_convert_type(normal, jnp.int32)
+  e = ((nbits >> 23) & 0xFF) - 126 - jnp.where(subnormal, 149, 0)
+  # m in [0.5, 1): the exponent field of 0.5 under the mantissa bits.
+  m = jax.lax.bitcast_convert_type((nbits & 0x007FFFFF) | 0x3F000000,
+                                   jnp.float32)
+  low = m < np.float32(0.70710678118654752)
+  e = jnp.where(low, e - 1, e).astype(jnp.float32)
+  f = jnp.where(low, m + m, m) - 1.0
+  z = f * f
+  p = jnp.full_like(f, 7.0376836292e-2)
+  for c in (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
+            1.4249322787e-1, -1.6668057665e-1, 2.0000714765e-1,
+            -2.4999993993e-1, 3.3333331174e-1):
+    p = p * f + np.float32(c)
+  y = p * f * z + e * np.float32(-2.12194440e-4) - 0.5 * z
+  y = (f + y) + e * np.float32(0.693359375)
+  y = jnp.where(magnitude == 0, -jnp.inf, y)
+  y = jnp.where(magnitude == 0x7F800000, jnp.inf, y)
+  return jnp.where(((bits < 0) & (magnitude != 0)) | (magnitude > 0x7F800000),
+                   jnp.nan, y)
+
+
+# Derivatives by the functions' own rules, in the same per-element
+# arithmetic: `log` reads its argument's bits, which autodiff would take
+# for constants (a zero gradient).
+log.defjvp(lambda primals, tangents: (
+    log(primals[0]), tangents[0].astype(jnp.float32)
+    / primals[0].astype(jnp.float32)))
+
+
+@jax.custom_jvp
+def log1p(x: jax.Array) -> jax.Array:
+  """log(1 + x) in float32 on `log` (Goldberg's form: u = 1 + x, then
+  log(u) x / (u - 1), which cancels u's rounding; x itself where u rounds
+  to 1): IEEE operations per element, as `log`."""
+  x = x.astype(jnp.float32)
+  # The barrier keeps XLA from folding (1 + x) - 1 back into x, which
+  # would undo the form's cancellation.
+  u = jax.lax.optimization_barrier(1.0 + x)
+  y = jnp.where(u == 1.0, x, log(u) * (x / (u - 1.0)))
+  return jnp.where(u == jnp.inf, u, y)
+
+
+log1p.defjvp(lambda primals, tangents: (
+    log1p(primals[0]), tangents[0].astype(jnp.float32)
+    / (1.0 + primals[0].astype(jnp.float32))))
+
+
+@jax.custom_jvp
+def expm1(x: jax.Array) -> jax.Array:
+  """e**x - 1 in float32 on `exp` and `log` (Kahan's form: u = e**x, then
+  (u - 1) x / log(u); x where u rounds to 1, -1 where u - 1 does): IEEE
+  operations per element, as `exp`."""
+  x = x.astype(jnp.float32)
+  u = exp(x)
+  um1 = u - 1.0
+  y = jnp.where(um1 == -1.0, -1.0, um1 * (x / log(u)))
+  y = jnp.where(u == 1.0, x, y)
+  return jnp.where(u == jnp.inf, u, y)
+
+
+def _expm1_jvp(primals, tangents):
+  y = expm1(primals[0])
+  return y, tangents[0].astype(jnp.float32) * (y + 1.0)
+
+
+expm1.defjvp(_expm1_jvp)
+
+
+def rsqrt(x: jax.Array) -> jax.Array:
+  """1 / sqrt(x) in float32 as two correctly rounded IEEE operations
+  (XLA:CPU's rsqrt fused after a broadcast, as an RMSNorm's, takes a code
+  path per element that the loop's shape picks): within 1.5 ulp."""
+  # The barrier keeps XLA from folding 1 / sqrt(x) back into its rsqrt.
+  return 1.0 / jax.lax.optimization_barrier(jnp.sqrt(x.astype(jnp.float32)))
+
+
 def logistic(x: jax.Array) -> jax.Array:
   """1 / (1 + e**-x) in float32 on `exp` (IEEE operations per element, as
   there): within 3 ulp; 0 and 1 at the ends."""

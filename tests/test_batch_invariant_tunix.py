@@ -127,3 +127,90 @@ def test_rollout_logprobs_equal_the_trainers(family):
   np.testing.assert_array_equal(np.asarray(alone_tokens), np.asarray(tokens[1:2]))
   np.testing.assert_array_equal(np.asarray(alone).view(np.uint32),
                                 np.asarray(rollout[1:2]).view(np.uint32))
+
+
+# Tunix's own sampler (its prefill, its decode `while_loop`, its log-probs)
+# under rlk_jax.batch_invariant_sampler. The cache holds more slots than a
+# rollout fills, as a user sizes it: the rollout's steps attend over masked
+# empty slots the trainer's forward does not have.
+PROMPT, NEW, PAD = 8, 6, 0
+CACHE_SLOTS = PROMPT + NEW + 13
+
+
+def _sampler(family):
+  from flax import nnx
+  sampler_lib = tunix_client.sampler_module()
+  graphdef, state = _model(family)
+  cache = sampler_lib.CacheConfig(cache_size=CACHE_SLOTS, num_layers=LAYERS,
+                                  num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+  sampler = sampler_lib.Sampler(nnx.merge(graphdef, state),
+                                tunix_client.IntTokenizer(VOCAB), cache)
+  return rlk_jax.batch_invariant_sampler(sampler), graphdef, state
+
+
+def _sampler_trainer(graphdef, temperature):
+  """The trainer's log-probs with the sampler's own logit steps: the
+  forbidden pad id at -inf, f32, then the temperature."""
+  from flax import nnx
+
+  def trainer(state, tokens, positions, mask):
+    logits, _ = nnx.merge(graphdef, state)(tokens, positions, None, mask)
+    logits = logits.at[..., PAD].set(-jnp.inf).astype(jnp.float32)
+    if temperature:
+      logits = logits / temperature
+    return jax.nn.log_softmax(logits)
+  return trainer
+
+
+def _sample(sampler, prompts, **kwargs):
+  out = sampler(prompts, max_generation_steps=NEW, max_prompt_length=PROMPT,
+                return_logprobs=True, forbidden_tokens=[PAD], **kwargs)
+  tokens = np.stack([np.asarray(t) for t in out.tokens])
+  return out.padded_prompt_tokens, tokens, np.asarray(out.logprobs,
+                                                      np.float32)
+
+
+# Qwen 3 under the sampler, 2026-11-27: a prompt sampled alone gets other
+# log-probs than in its batch (greedy; 2 of 6 by one ulp; its tokens and the
+# batch's rollout = trainer hold), and the seeded rollout's log-probs differ
+# from the trainer's (5 of 24 by one ulp). Its trainer's logits and
+# log-probs alone = in the batch. Not bisected yet: not its rope's sin/cos
+# alone, and rewriting rsqrt, log, log1p, expm1 did not move it.
+_QWEN3_SAMPLER = pytest.mark.xfail(
+    strict=True, reason="Qwen 3 under Tunix's sampler: one-ulp log-prob "
+    "differences at batch 1 / seeded, not yet bisected")
+
+
+@pytest.mark.parametrize("family", [
+    "llama3", pytest.param("qwen3", marks=_QWEN3_SAMPLER)])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_tunix_sampler_logprobs_equal_the_trainers(family, mode):
+  sampler, graphdef, state = _sampler(family)
+  rng = np.random.default_rng(11)
+  prompts = [" ".join(map(str, rng.integers(1, VOCAB, n)))
+             for n in (8, 3, 5, 7)]
+  kwargs = ({} if mode == "greedy" else
+            dict(temperature=0.7, top_p=1.0, seed=7))
+  padded, tokens, rollout = _sample(sampler, prompts, **kwargs)
+  assert tokens.shape == rollout.shape == (4, NEW)
+  full = np.concatenate([padded, tokens], 1)
+  positions, mask = _layout(jnp.asarray(full != PAD))
+  trainer = _sampler_trainer(graphdef, kwargs.get("temperature"))
+  logp = jax.jit(rlk_jax.batch_invariant(trainer))(state, jnp.asarray(full),
+                                                   positions, mask)
+  recomputed = np.asarray(jnp.take_along_axis(
+      logp[:, PROMPT - 1:-1], jnp.asarray(tokens)[..., None], -1)[..., 0])
+  assert np.isfinite(rollout).all()
+  np.testing.assert_array_equal(recomputed.view(np.uint32),
+                                rollout.view(np.uint32))
+  if mode == "greedy":
+    # A prompt sampled alone: its tokens and log-probs in the batch.
+    _, alone_tokens, alone = _sample(sampler, prompts[1:2])
+    np.testing.assert_array_equal(alone_tokens, tokens[1:2])
+    np.testing.assert_array_equal(alone.view(np.uint32),
+                                  rollout[1:2].view(np.uint32))
+
+
+def test_batch_invariant_sampler_names_what_it_needs():
+  with pytest.raises(TypeError, match="_decode_fn"):
+    rlk_jax.batch_invariant_sampler(object())

@@ -35,3 +35,36 @@ def model_module(family: str = "llama3"):
       package.__path__ = [root + name.removeprefix("tunix").replace(".", "/")]
       sys.modules[name] = package
   return importlib.import_module(f"tunix.models.{family}.model")
+
+
+def sampler_module():
+  """``tunix.generate.sampler`` (its tokenizer adapter imports
+  sentencepiece, which the test extra installs)."""
+  model_module()
+  pytest.importorskip("sentencepiece")
+  return importlib.import_module("tunix.generate.sampler")
+
+
+class IntTokenizer:
+  """A tokenizer by Tunix's protocol (encode, decode, bos_id, eos_id,
+  pad_id) whose text is token ids written out: "5 17 3" is [5, 17, 3].
+  No BOS (id 0 means none to Tunix), pad 0, and an EOS past the vocabulary
+  (never sampled), so every rollout runs its full length."""
+
+  def __init__(self, vocab: int):
+    self.vocab = vocab
+
+  def encode(self, text: str) -> list[int]:
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids) -> str:
+    return " ".join(str(int(i)) for i in ids)
+
+  def bos_id(self) -> int:
+    return 0
+
+  def eos_id(self) -> int:
+    return self.vocab
+
+  def pad_id(self) -> int:
+    return 0
