@@ -251,7 +251,24 @@ def exp(x: jax.Array) -> jax.Array:
   return (p * pow2(half)) * pow2(k - half)
 
 
-@jax.custom_jvp
+def _tangent_rule(tangent):
+  """A function as a ``custom_jvp`` whose tangent is ``tangent(t, x, y)``
+  (t and x in float32, y the function's value): its derivative by its own
+  rule, in the same per-element arithmetic. `log` reads its argument's
+  bits, which autodiff would take for constants (a zero gradient)."""
+  def wrap(fn):
+    fn = jax.custom_jvp(fn)
+
+    @fn.defjvp
+    def jvp(primals, tangents):
+      y = fn(primals[0])
+      return y, tangent(tangents[0].astype(jnp.float32),
+                        primals[0].astype(jnp.float32), y)
+    return fn
+  return wrap
+
+
+@_tangent_rule(lambda t, x, y: t / x)
 def log(x: jax.Array) -> jax.Array:
   """The natural log in float32 from adds, multiplies, integer bit
   operations and comparisons alone (Cephes' logf: x = m 2**e with m in
@@ -292,15 +309,7 @@ def log(x: jax.Array) -> jax.Array:
                    jnp.nan, y)
 
 
-# Derivatives by the functions' own rules, in the same per-element
-# arithmetic: `log` reads its argument's bits, which autodiff would take
-# for constants (a zero gradient).
-log.defjvp(lambda primals, tangents: (
-    log(primals[0]), tangents[0].astype(jnp.float32)
-    / primals[0].astype(jnp.float32)))
-
-
-@jax.custom_jvp
+@_tangent_rule(lambda t, x, y: t / (1.0 + x))
 def log1p(x: jax.Array) -> jax.Array:
   """log(1 + x) in float32 on `log` (Goldberg's form: u = 1 + x, then
   log(u) x / (u - 1), which cancels u's rounding; x itself where u rounds
@@ -313,12 +322,7 @@ def log1p(x: jax.Array) -> jax.Array:
   return jnp.where(u == jnp.inf, u, y)
 
 
-log1p.defjvp(lambda primals, tangents: (
-    log1p(primals[0]), tangents[0].astype(jnp.float32)
-    / (1.0 + primals[0].astype(jnp.float32))))
-
-
-@jax.custom_jvp
+@_tangent_rule(lambda t, x, y: t * (y + 1.0))
 def expm1(x: jax.Array) -> jax.Array:
   """e**x - 1 in float32 on `exp` and `log` (Kahan's form: u = e**x, then
   (u - 1) x / log(u); x where u rounds to 1, -1 where u - 1 does): IEEE
@@ -329,14 +333,6 @@ def expm1(x: jax.Array) -> jax.Array:
   y = jnp.where(um1 == -1.0, -1.0, um1 * (x / log(u)))
   y = jnp.where(u == 1.0, x, y)
   return jnp.where(u == jnp.inf, u, y)
-
-
-def _expm1_jvp(primals, tangents):
-  y = expm1(primals[0])
-  return y, tangents[0].astype(jnp.float32) * (y + 1.0)
-
-
-expm1.defjvp(_expm1_jvp)
 
 
 def rsqrt(x: jax.Array) -> jax.Array:
