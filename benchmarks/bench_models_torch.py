@@ -39,6 +39,11 @@ MODEL = flags.DEFINE_enum("models_torch_model", "llama-8l", list(MODELS),
                           "Which LlamaForCausalLM config to build.")
 COMPILED = flags.DEFINE_bool("models_torch_compiled", True,
                              "Also time and check the compiled model.")
+CASES = ("invariance", "forward", "generate", "train", "train_compiled")
+CASES_FLAG = flags.DEFINE_list(
+    "models_torch_cases", list(CASES),
+    f"Which cases to run (of {', '.join(CASES)}): a real-size model's whole "
+    "set can outlast one device call, so it can be run in parts.")
 
 
 def _config(smoke: bool) -> dict:
@@ -177,15 +182,24 @@ def run(smoke: bool) -> list[Row]:
     return [Row(BENCH, "all", "rlk_mode", note="torch is not installed")]
   cfg = _config(smoke)
   dev = "cuda" if torch.cuda.is_available() else "cpu"
+  unknown = sorted(set(CASES_FLAG.value) - set(CASES))
+  if unknown:
+    raise ValueError(f"--models_torch_cases: unknown {unknown}; the cases "
+                     f"are {list(CASES)}")
   model = _model(torch, cfg, dev).eval()
   modes = _modes(torch)
-  rows = _invariance_rows(torch, cfg, model, modes, dev)
-  rows += _forward_rows(torch, cfg, model, modes, dev)
-  rows += _generate_rows(torch, cfg, model, modes, dev)
-  rows += _train_rows(torch, cfg, model, modes, dev, compiled=False)
-  if cfg["compiled"]:
-    rows += _train_rows(torch, cfg, model, modes, dev, compiled=True)
-  return rows
+  cases = {
+      "invariance": lambda: _invariance_rows(torch, cfg, model, modes, dev),
+      "forward": lambda: _forward_rows(torch, cfg, model, modes, dev),
+      "generate": lambda: _generate_rows(torch, cfg, model, modes, dev),
+      "train": lambda: _train_rows(torch, cfg, model, modes, dev,
+                                   compiled=False),
+      "train_compiled": lambda: (_train_rows(torch, cfg, model, modes, dev,
+                                             compiled=True)
+                                 if cfg["compiled"] else []),
+  }
+  return [row for name in CASES if name in CASES_FLAG.value
+          for row in cases[name]()]
 
 
 def main(argv):
