@@ -24,16 +24,19 @@ arguments and evaluates it equation by equation:
   ``var`` and an RMSNorm reduce; a softmax's normaliser) runs on
   ``reference.row_sum``: the cuda_ffi row kernel's order, elementwise adds
   over each row's own values, accumulated in f32.
-- ``exp``, ``expm1``, ``log``, ``log1p``, ``logistic``, ``rsqrt`` and
-  ``tanh`` of f32/bf16/f16 on CPU run on ``reference``'s functions of the
-  same names (adds, multiplies, divisions, square roots and exponent
-  bits; derivatives by their own rules): XLA:CPU's versions fused after
+- ``exp``, ``expm1``, ``log``, ``log1p``, ``logistic``, ``rsqrt``,
+  ``sqrt`` and ``tanh`` of f32/bf16/f16 on CPU run on ``reference``'s
+  functions of the same names (adds, multiplies, divisions, square roots
+  and exponent bits; derivatives by their own rules): XLA:CPU's versions fused after
   a broadcast (a softmax's ``exp(s - max)``, a log-softmax's ``s -
   log(sum)``) take one code path or another per element as the loop's
   shape decides, and the paths disagree on some inputs (Tunix's Qwen 3: a
   row's logits alone differed from its batch's, in plain ``jit`` too; its
   sampler's log-probs by one ulp). Other platforms keep XLA's (on GPUs
   libdevice's, one code path for every element).
+- A float division on CPU stays a division (``_divide``): XLA's
+  simplifier otherwise rewrites some into products by a reciprocal, as
+  the shapes around them decide.
 - Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond`` and
   ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
   through the public API with the same settings). A ``custom_jvp``
@@ -170,6 +173,8 @@ def _rewritten(eqn) -> str | None:
     return "scatter_add"
   if name in _PER_ELEMENT and eqn.invars[0].aval.dtype in _PER_ELEMENT_DTYPES:
     return "per_element"
+  if name == "div" and _is_float(eqn.invars[1].aval):
+    return "divide"
   return None
 
 
@@ -178,7 +183,7 @@ def _rewritten(eqn) -> str | None:
 _PER_ELEMENT = {"exp": reference.exp, "expm1": reference.expm1,
                 "log": reference.log, "log1p": reference.log1p,
                 "logistic": reference.logistic, "rsqrt": reference.rsqrt,
-                "tanh": reference.tanh}
+                "sqrt": reference.sqrt, "tanh": reference.tanh}
 _PER_ELEMENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -191,6 +196,29 @@ def _per_element(eqn, x):
       x.astype(jnp.float32), cpu=_PER_ELEMENT[eqn.primitive.name],
       default=lambda y: eqn.primitive.bind(y, **params))
   return y.astype(x.dtype)
+
+
+def _divide(x, y, dtype):
+  """``x / y``, a true division at every shape. XLA's algebraic simplifier
+  rewrites a division by what it sees of the divisor (``a /
+  broadcast(b)`` into ``a * broadcast(1 / b)``, ``a / sqrt(b)`` into ``a *
+  rsqrt(b)``, ``a / pow(b, c)`` into ``a * pow(b, -c)``) where its pattern
+  matches, and whether it matches follows the shapes around it: Tunix's
+  Qwen 3 divided its positions by the rope's timescale alone and
+  multiplied them by the timescale's inverse in a batch of 4, so a decode
+  step's logits took other bits alone. On CPU the divisor, broadcast to
+  the quotient's shape, goes behind a barrier: nothing of it is left to
+  see. (A product by the reciprocal instead would not do: XLA:CPU then
+  contracts it with a following add into a fused multiply-add in one
+  fusion and not in another, as a sampler's ``logits / temperature - max``
+  against the trainer's.) Other platforms divide as XLA does: a barrier
+  there would cost the broadcast divisor's memory traffic."""
+  shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y))
+  x = jnp.broadcast_to(jnp.asarray(x, dtype), shape)
+  y = jnp.broadcast_to(jnp.asarray(y, dtype), shape)
+  return jax.lax.platform_dependent(
+      x, y, cpu=lambda x, y: x / jax.lax.optimization_barrier(y),
+      default=lambda x, y: x / y)
 
 
 def _needs_rewrite(jaxpr) -> bool:
@@ -272,6 +300,8 @@ class _Rules:
       return _ordered_row_scatter_add(*invals, mode=eqn.params["mode"])
     if rewrite == "per_element":
       return _per_element(eqn, invals[0])
+    if rewrite == "divide":
+      return _divide(*invals, eqn.outvars[0].aval.dtype)
     rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)

@@ -339,8 +339,17 @@ def rsqrt(x: jax.Array) -> jax.Array:
   """1 / sqrt(x) in float32 as two correctly rounded IEEE operations
   (XLA:CPU's rsqrt fused after a broadcast, as an RMSNorm's, takes a code
   path per element that the loop's shape picks): within 1.5 ulp."""
-  # The barrier keeps XLA from folding 1 / sqrt(x) back into its rsqrt.
-  return 1.0 / jax.lax.optimization_barrier(jnp.sqrt(x.astype(jnp.float32)))
+  return 1.0 / sqrt(x)
+
+
+def sqrt(x: jax.Array) -> jax.Array:
+  """sqrt(x) in float32, correctly rounded, that XLA cannot merge into a
+  division: its algebraic simplifier turns ``a / sqrt(b)`` (an RMSNorm's
+  ``x / rms``) into ``a * rsqrt(b)``, and XLA:CPU's rsqrt fused after a
+  broadcast takes a code path per element that the loop's shape picks
+  (Tunix's Qwen 3 q/k norms: a decode step's logits alone differed from
+  its batch's)."""
+  return jax.lax.optimization_barrier(jnp.sqrt(x.astype(jnp.float32)))
 
 
 def logistic(x: jax.Array) -> jax.Array:

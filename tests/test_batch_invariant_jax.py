@@ -414,6 +414,26 @@ def test_fused_transcendentals_rows_alone_equal_their_batch(fn):
     assert np.linalg.norm(batch - want) / np.linalg.norm(want) < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(4, 1, 64), (1, 1, 64), (3, 5, 16)])
+def test_divisions_are_true_divisions_at_every_shape(shape, rng):
+  # XLA's simplifier turns `x / broadcast(y)` into `x * broadcast(1 / y)`
+  # and `x / sqrt(y)` into `x * rsqrt(y)` where its pattern matches, which
+  # follows the shapes around it (Tunix's Qwen 3 rope: a decode step's
+  # logits alone differed from its batch's). Plain jit on CPU gave other
+  # bits than the quotient on every shape here (2-150 values, 2026-11-27);
+  # rewritten, each element is numpy's correctly rounded f32 quotient.
+  x = rng.normal(size=shape).astype(np.float32)
+  y = rng.uniform(0.5, 3.0, size=shape[:-1] + (1,)).astype(np.float32)
+  for fn, want in ((lambda x, y: x / y, x / y),
+                   (lambda x, y: x / jnp.sqrt(y), x / np.sqrt(y))):
+    got = np.asarray(jax.jit(rlk_jax.batch_invariant(fn))(x, y))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  got = jax.grad(lambda y: jnp.sum(rlk_jax.batch_invariant(
+      lambda x, y: x / jnp.sqrt(y))(x, y)))(y)
+  want = np.sum(-0.5 * x / (y.astype(np.float64) ** 1.5), -1, keepdims=True)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
+
+
 @pytest.mark.parametrize("shape", [(8, 2, 2, 12, 12), (8, 4, 12, 16)])
 def test_softmax_rows_alone_equal_their_batch(shape):
   # A softmax's exp(s - max) fused by XLA:CPU: plain jit gave a row other

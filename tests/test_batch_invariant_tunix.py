@@ -170,19 +170,12 @@ def _sample(sampler, prompts, **kwargs):
                                                       np.float32)
 
 
-# Qwen 3 under the sampler, 2026-11-27: a prompt sampled alone gets other
-# log-probs than in its batch (greedy; 2 of 6 by one ulp; its tokens and the
-# batch's rollout = trainer hold), and the seeded rollout's log-probs differ
-# from the trainer's (5 of 24 by one ulp). Its trainer's logits and
-# log-probs alone = in the batch. Not bisected yet: not its rope's sin/cos
-# alone, and rewriting rsqrt, log, log1p, expm1 did not move it.
-_QWEN3_SAMPLER = pytest.mark.xfail(
-    strict=True, reason="Qwen 3 under Tunix's sampler: one-ulp log-prob "
-    "differences at batch 1 / seeded, not yet bisected")
-
-
-@pytest.mark.parametrize("family", [
-    "llama3", pytest.param("qwen3", marks=_QWEN3_SAMPLER)])
+# Qwen 3 under the sampler failed both until divisions were rewritten
+# (2026-11-27): XLA's simplifier turned its rope's `positions / timescale`
+# into a product by the timescale's inverse in a batch of 4 and not alone
+# (rlk_jax._batch_invariant._divide), and its q/k norms' `x / sqrt(...)`
+# into XLA:CPU's rsqrt (reference.sqrt).
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 def test_tunix_sampler_logprobs_equal_the_trainers(family, mode):
   sampler, graphdef, state = _sampler(family)

@@ -50,13 +50,13 @@ def check_case(case, impl):
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=60, **_SETTINGS)
+@settings(max_examples=30, **_SETTINGS)
 @given(packing_case())
 def test_xla_matches_numpy(case):
   check_case(case, "xla")
 
 
-@settings(max_examples=25, **_SETTINGS)
+@settings(max_examples=15, **_SETTINGS)
 @given(packing_case())
 def test_pallas_matches_numpy(case):
   check_case(case, "pallas")
