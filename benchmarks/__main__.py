@@ -19,7 +19,7 @@ from absl import app, flags
 
 from benchmarks import (bench_attention, bench_bridge, bench_det_gemm, bench_det_gemm_sweep,
                         bench_det_gemm_tuning, bench_host, bench_invariance, bench_jit_steps,
-                        bench_logp, bench_models_torch, bench_pack, bench_scaling,
+                        bench_logp, bench_models_jax, bench_models_torch, bench_pack, bench_scaling,
                         bench_torch_ops,
                         harness)
 
@@ -36,14 +36,15 @@ BENCHMARKS = {"pack": bench_pack, "det_gemm": bench_det_gemm,
               "jit_steps": bench_jit_steps,
               "det_gemm_sweep": bench_det_gemm_sweep,
               "det_gemm_tuning": bench_det_gemm_tuning,
-              "attention": bench_attention, "models_torch": bench_models_torch}
+              "attention": bench_attention, "models_torch": bench_models_torch,
+              "models_jax": bench_models_jax}
 # The competitor each benchmark's "x peer" column divides by: what a user
 # would run instead of rlk.
 PEERS = {"pack": "xla_nonzero_take", "det_gemm": "cublas", "logp": "xla_dense",
          "bridge": "rlk_jax", "scaling": "1_device", "torch_ops": "torch",
          "jit_steps": "xla_jit",
          "det_gemm_sweep": "cublas", "attention": "sdpa_flash",
-         "models_torch": "torch"}
+         "models_torch": "torch", "models_jax": "xla"}
 
 
 def _default_out(smoke: bool) -> str:

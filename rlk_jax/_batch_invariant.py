@@ -82,21 +82,39 @@ def batch_invariant(fn, *, implementation: str | None = None):
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args,
-                                                              **kwargs)
-    flat = jax.tree_util.tree_leaves((args, kwargs))
+    closed, flat, out_tree = _trace(fn, args, kwargs)
     out = rules.eval(closed.jaxpr, closed.consts, flat)
-    return jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(out_shape), out)
+    return jax.tree_util.tree_unflatten(out_tree, out)
 
   def report(*args, **kwargs) -> dict[str, int]:
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    closed, _, _ = _trace(fn, args, kwargs)
     left: collections.Counter = collections.Counter()
     _survey(closed.jaxpr, left)
     return dict(left)
 
   wrapped.report = report
   return wrapped
+
+
+def _trace(fn, args, kwargs):
+  """`fn`'s jaxpr over the flat leaves of its arguments, the leaves, and
+  its output's tree. Traced as a function of leaves to leaves: inside an
+  enclosing trace (this transformation runs inside ``jit``) JAX compares a
+  traced function's argument and result trees with trees it cached, and a
+  tree whose static metadata holds an Array (Tunix's sampling state keeps
+  its prompt length so) compares by a traced ``==`` that has no truth
+  value."""
+  flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+  out_tree = []
+
+  def flat_fn(*leaves):
+    a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
+    out, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+    out_tree.append(tree)
+    return out
+
+  closed = jax.make_jaxpr(flat_fn)(*flat)
+  return closed, flat, out_tree[0]
 
 
 # ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""rlk_jax.batch_invariant on Tunix's own models (Llama 3, Qwen 3; tiny
-configs built in code, random weights): a row's logits alone = in its
-batch, and a KV-cache rollout's log-probs = the trainer's recomputation
-bit for bit. Plain XLA on CPU misses both (a row differs at every
-position; a rollout's log-probs differ from the trainer's)."""
+"""rlk_jax.batch_invariant on Tunix's own models (Llama 3, Qwen 3; built
+in code, random weights; tiny and f32 on CPU, real widths in bf16 on a
+GPU): a row's logits alone = in its batch, and a KV-cache rollout's
+log-probs = the trainer's recomputation bit for bit. Plain XLA on CPU
+misses both (a row differs at every position; a rollout's log-probs
+differ from the trainer's)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,15 @@ import pytest
 import rlk_jax
 import tunix_client
 
-LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 97
+ON_GPU = jax.default_backend() == "gpu"
+if ON_GPU:  # real widths (Llama-3.2-1B's, fewer layers), bf16 weights
+  LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 4, 8, 64, 32000
+  WIDTHS = dict(embed_dim=2048, hidden_dim=8192, num_heads=32)
+  DTYPE, CLOSE = jnp.bfloat16, 2e-2
+else:
+  LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 97
+  WIDTHS = dict(embed_dim=64, hidden_dim=128, num_heads=4)
+  DTYPE, CLOSE = jnp.float32, 1e-5
 
 # Qwen 3 failed the first test until exp was rewritten on CPU: its
 # attention's softmax, `exp(s - max(s))` fused by XLA:CPU, gave a row other
@@ -24,14 +33,17 @@ FAMILIES = ["llama3", "qwen3"]
 def _model(family):
   from flax import nnx
   module = tunix_client.model_module(family)
+  dtypes = dict(dtype=DTYPE, param_dtype=DTYPE) if family == "qwen3" else {}
   config = module.ModelConfig(
-      num_layers=LAYERS, vocab_size=VOCAB, embed_dim=64, hidden_dim=128,
-      num_heads=4, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS,
-      rope_theta=10_000, norm_eps=1e-5)
+      num_layers=LAYERS, vocab_size=VOCAB, head_dim=HEAD_DIM,
+      num_kv_heads=KV_HEADS, rope_theta=10_000, norm_eps=1e-5, **WIDTHS,
+      **dtypes)
   graphdef, state = nnx.split(module.__dict__[
       {"llama3": "Llama3", "qwen3": "Qwen3"}[family]](config,
                                                       rngs=nnx.Rngs(0)))
-  return graphdef, state
+  return graphdef, jax.tree.map(
+      lambda w: w.astype(DTYPE) if jnp.issubdtype(w.dtype, jnp.floating)
+      else w, state)
 
 
 def _layout(valid):
@@ -64,8 +76,8 @@ def _rollout(step, state, prompts, valid, new):
   slots = p + new
   positions, mask = _layout(valid)
   cache = {f"layer_{i}": {
-      "k": jnp.zeros((b, slots, KV_HEADS, HEAD_DIM)),
-      "v": jnp.zeros((b, slots, KV_HEADS, HEAD_DIM)),
+      "k": jnp.zeros((b, slots, KV_HEADS, HEAD_DIM), DTYPE),
+      "v": jnp.zeros((b, slots, KV_HEADS, HEAD_DIM), DTYPE),
       "end_index": jnp.zeros((b,), jnp.int32)} for i in range(LAYERS)}
   logp, cache = step(state, prompts, positions[:, :p], cache, mask[:, :p])
   tokens, logps = [], []
@@ -97,7 +109,7 @@ def test_rows_alone_equal_their_batch(family):
     np.testing.assert_array_equal(alone[0].view(np.uint32),
                                   batch[i].view(np.uint32))
   plain = np.asarray(jax.jit(trainer)(state, tokens, positions, mask))
-  np.testing.assert_allclose(batch, plain, rtol=1e-4, atol=1e-4)
+  assert np.linalg.norm(batch - plain) / np.linalg.norm(plain) < CLOSE
   assert rlk_jax.batch_invariant(trainer).report(state, tokens, positions,
                                                  mask) == {}
 
@@ -207,3 +219,26 @@ def test_tunix_sampler_logprobs_equal_the_trainers(family, mode):
 def test_batch_invariant_sampler_names_what_it_needs():
   with pytest.raises(TypeError, match="_decode_fn"):
     rlk_jax.batch_invariant_sampler(object())
+
+
+def test_a_plain_sampler_run_first_leaves_the_transformed_one_working():
+  # Tunix's sampling state keeps its prompt length as an Array in static
+  # metadata; once a plain Sampler had run, tracing the transformed step
+  # inside its jit compared that metadata by a traced `==` and failed
+  # (2026-11-27). The transformation now traces leaves to leaves.
+  from flax import nnx
+  sampler_lib = tunix_client.sampler_module()
+  graphdef, state = _model("llama3")
+  cache = sampler_lib.CacheConfig(cache_size=CACHE_SLOTS, num_layers=LAYERS,
+                                  num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+  prompts = ["5 9 2", "7 1"]
+  outs = []
+  for transform in (False, True):
+    sampler = sampler_lib.Sampler(nnx.merge(graphdef, state),
+                                  tunix_client.IntTokenizer(VOCAB), cache)
+    if transform:
+      sampler = rlk_jax.batch_invariant_sampler(sampler)
+    outs.append(_sample(sampler, prompts))
+  plain, transformed = outs[0][2], outs[1][2]
+  assert transformed.shape == plain.shape == (2, NEW)
+  assert np.linalg.norm(transformed - plain) / np.linalg.norm(plain) < CLOSE

@@ -1,70 +1,22 @@
-"""Tunix's model modules as test clients, built from configs in code with
-random weights (nothing downloaded).
-
-`import tunix` runs its package ``__init__``, which imports its trainers
-and their dependencies (metrax, tensorflow_datasets, ...). A model module
-needs only flax, jaxtyping and three small modules of the package, so the
-packages above it are entered here without their ``__init__``: the model
-code that runs is Tunix's own, unchanged."""
-
-import importlib
-import importlib.util
-import sys
-import types
+"""benchmarks.tunix_client for the tests: a missing Tunix (or flax,
+jaxtyping, sentencepiece) skips the test that needs it, saying which."""
 
 import pytest
 
+from benchmarks import tunix_client as _client
+
+IntTokenizer = _client.IntTokenizer
+
 
 def model_module(family: str = "llama3"):
-  """``tunix.models.<family>.model`` (skips the test where Tunix or flax is
-  not installed: the test extra installs both)."""
-  pytest.importorskip("flax")
-  pytest.importorskip("jaxtyping")
-  if "tunix" in sys.modules:
-    root = list(sys.modules["tunix"].__path__)[0]
-  else:
-    spec = importlib.util.find_spec("tunix")
-    if spec is None:
-      pytest.skip("google-tunix is not installed (scripts/setup_env.sh "
-                  "installs it)")
-    root = spec.submodule_search_locations[0]
-  for name in ("tunix", "tunix.models", f"tunix.models.{family}",
-               "tunix.generate", "tunix.utils"):
-    if name not in sys.modules:
-      package = types.ModuleType(name)
-      package.__path__ = [root + name.removeprefix("tunix").replace(".", "/")]
-      sys.modules[name] = package
-  return importlib.import_module(f"tunix.models.{family}.model")
+  try:
+    return _client.model_module(family)
+  except ImportError as e:
+    pytest.skip(str(e))
 
 
 def sampler_module():
-  """``tunix.generate.sampler`` (its tokenizer adapter imports
-  sentencepiece, which the test extra installs)."""
-  model_module()
-  pytest.importorskip("sentencepiece")
-  return importlib.import_module("tunix.generate.sampler")
-
-
-class IntTokenizer:
-  """A tokenizer by Tunix's protocol (encode, decode, bos_id, eos_id,
-  pad_id) whose text is token ids written out: "5 17 3" is [5, 17, 3].
-  No BOS (id 0 means none to Tunix), pad 0, and an EOS past the vocabulary
-  (never sampled), so every rollout runs its full length."""
-
-  def __init__(self, vocab: int):
-    self.vocab = vocab
-
-  def encode(self, text: str) -> list[int]:
-    return [int(t) for t in text.split()]
-
-  def decode(self, ids) -> str:
-    return " ".join(str(int(i)) for i in ids)
-
-  def bos_id(self) -> int:
-    return 0
-
-  def eos_id(self) -> int:
-    return self.vocab
-
-  def pad_id(self) -> int:
-    return 0
+  try:
+    return _client.sampler_module()
+  except ImportError as e:
+    pytest.skip(str(e))
