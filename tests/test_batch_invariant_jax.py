@@ -454,3 +454,30 @@ def test_softmax_rows_alone_equal_their_batch(shape):
     want = e / e.sum(-1, keepdims=True)
     err = np.linalg.norm(batch - want) / np.linalg.norm(want)
     assert err < (1e-6 if dtype == jnp.float32 else 1e-2)
+
+
+def test_batched_products_folded_into_one_call_keep_each_elements_bits(
+    monkeypatch):
+  # A small batched product (attention's at decode) runs as one det_gemm
+  # call over every batch pair, keeping the diagonal blocks: the same bits
+  # as one call per batch element, and as a batch element alone.
+  from rlk_jax import _batch_invariant
+  keys = jax.random.split(jax.random.PRNGKey(5), 2)
+  q = jax.random.normal(keys[0], (3, 5, 2, 2, 16)).astype(jnp.bfloat16)
+  k = jax.random.normal(keys[1], (3, 7, 2, 16)).astype(jnp.bfloat16)
+
+  def scores(q, k):
+    return jnp.einsum("BTHGD,BSHD->BHGTS", q, k,
+                      preferred_element_type=jnp.float32)
+  run = lambda q, k: np.asarray(jax.jit(rlk_jax.batch_invariant(scores))(q, k))
+  folded = run(q, k)
+  alone = run(q[1:2], k[1:2])
+  monkeypatch.setattr(_batch_invariant, "_FOLDED_OUTPUTS", 0)
+  one_by_one = run(q, k)
+  np.testing.assert_array_equal(folded.view(np.uint32),
+                                one_by_one.view(np.uint32))
+  np.testing.assert_array_equal(alone[0].view(np.uint32),
+                                folded[1].view(np.uint32))
+  want = np.einsum("BTHGD,BSHD->BHGTS", np.asarray(q, np.float64),
+                   np.asarray(k, np.float64))
+  assert np.linalg.norm(folded - want) / np.linalg.norm(want) < 1e-6
