@@ -17,9 +17,10 @@ arguments and evaluates it equation by equation:
 - ``dot_general`` (any batch and contracting dimensions: einsum, matmul,
   attention's products; bf16, f16, f32 operands) runs on
   ``rlk_jax.det_gemm``: free dims of the left operand are its rows, of the
-  right one its columns, batch dims a ``vmap``. Every output element sums
-  its own products in K order, so its bits depend on its own row and
-  column only.
+  right one its columns, batch dims a ``vmap`` (or, for small ones, one
+  call over every batch pair, ``_folded_batch_product``). Every output
+  element sums its own products in K order, so its bits depend on its own
+  row and column only.
 - ``reduce_sum`` over the last axis of a float array (what ``mean``,
   ``var`` and an RMSNorm reduce; a softmax's normaliser) runs on
   ``reference.row_sum``: the cuda_ffi row kernel's order, elementwise adds
