@@ -232,12 +232,12 @@ def _divide(x, y, dtype):
   fusion and not in another, as a sampler's ``logits / temperature - max``
   against the trainer's.) Other platforms divide as XLA does: a barrier
   there would cost the broadcast divisor's memory traffic."""
-  shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y))
-  x = jnp.broadcast_to(jnp.asarray(x, dtype), shape)
-  y = jnp.broadcast_to(jnp.asarray(y, dtype), shape)
+  x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+  shape = jnp.broadcast_shapes(x.shape, y.shape)
   return jax.lax.platform_dependent(
-      x, y, cpu=lambda x, y: x / jax.lax.optimization_barrier(y),
-      default=lambda x, y: x / y)
+      x, y, default=lambda x, y: x / y,
+      cpu=lambda x, y: x / jax.lax.optimization_barrier(
+          jnp.broadcast_to(y, shape)))
 
 
 def _needs_rewrite(jaxpr) -> bool:
