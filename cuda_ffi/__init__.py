@@ -20,7 +20,9 @@ import ctypes
 import functools
 import logging
 import os
+import pathlib
 import threading
+import time
 
 import numpy as np
 
@@ -94,43 +96,116 @@ def sm90_reason() -> str | None:
   return None
 
 
+# How often a process looks for kernels a running build has added (and
+# whether a build it waits for has made the main library).
+RECHECK_S = 1.0
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-  """(library, None) or (None, why not). Builds on first use when the
-  toolchain is present (RLK_CUDA_FFI_AUTOBUILD=0 turns that off)."""
+  """(library, None) or (None, why not), the kernels a running build has
+  added since the last look included. On first use with the toolchain
+  present and no library, starts the build in the background
+  (RLK_CUDA_FFI_AUTOBUILD=0: never; RLK_CUDA_FFI_BACKGROUND_BUILD=0: in
+  this process, waiting for it) and says so until the main library
+  exists; it looks again at most every RECHECK_S seconds."""
   with _lock:
-    if "lib" in _state:
-      return _state["lib"], _state["reason"]
-    lib, reason = None, None
+    lib = _state.get("lib")
+    if lib is not None:
+      _refresh(lib)
+      return lib, None
+    if time.monotonic() < _state.get("retry_at", 0.0):
+      return None, _state["reason"]
+    reason, retry_at = None, float("inf")
     try:
       path = _build.library_path()
       if path is None:
         if os.environ.get("RLK_CUDA_FFI_AUTOBUILD", "1") == "0":
           raise _build.BuildUnavailable(
               "the library is not built (run `python -m cuda_ffi.build`)")
-        path = _build.build(log=_log.warning)
-      lib = ctypes.CDLL(str(path))
-      _declare(lib)
-      import jax
-      for target, symbol in ((FFI_TARGET, lib.RlkDetGemmSm90),
-                             (PACK_INFO_TARGET, lib.RlkPackInfo),
-                             (GATHER_ROWS_TARGET, lib.RlkGatherRows),
-                             (PACK_ROWS_TARGET, lib.RlkPackRows),
-                             (LOGITS_STATS_TARGET, lib.RlkLogitsStats),
-                             (LOGITS_FINISH_TARGET, lib.RlkLogitsFinish),
-                             (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad),
-                             (ATTENTION_FORWARD_TARGET,
-                              lib.RlkAttentionForwardSm90),
-                             (ATTENTION_DKDV_TARGET,
-                              lib.RlkAttentionDkdvSm90)):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
-                                    platform="CUDA")
+        if os.environ.get("RLK_CUDA_FFI_BACKGROUND_BUILD", "1") == "0":
+          path = _build.build(log=_log.warning)
+        else:
+          log = _build.start_background()
+          reason = (f"cuda_ffi library unavailable: it is building in the "
+                    f"background (`python -m cuda_ffi.build --status`; "
+                    f"log {log})")
+          retry_at = time.monotonic() + RECHECK_S
+          if not _state.get("told"):
+            _state["told"] = True
+            _log.warning("rlk: %s. Until it is built, det_gemm runs on its "
+                         "other implementations, which give the same bits",
+                         reason)
+      if path is not None:
+        lib = _open(path)
     except AttributeError as e:  # a library built from older sources
-      lib, reason = None, (f"cuda_ffi library unavailable: it lacks an entry "
-                           f"of these sources ({e}); rebuild it")
+      reason = (f"cuda_ffi library unavailable: it lacks an entry of these "
+                f"sources ({e}); rebuild it")
     except (_build.BuildUnavailable, OSError, RuntimeError) as e:
-      lib, reason = None, f"cuda_ffi library unavailable: {e}"
-    _state["lib"], _state["reason"] = lib, reason
+      reason = f"cuda_ffi library unavailable: {e}"
+    _state.update(lib=lib, reason=reason, retry_at=retry_at)
     return lib, reason
+
+
+def _open(path) -> ctypes.CDLL:
+  lib = ctypes.CDLL(str(path))
+  _declare(lib)
+  import jax
+  for target, symbol in ((FFI_TARGET, lib.RlkDetGemmSm90),
+                         (PACK_INFO_TARGET, lib.RlkPackInfo),
+                         (GATHER_ROWS_TARGET, lib.RlkGatherRows),
+                         (PACK_ROWS_TARGET, lib.RlkPackRows),
+                         (LOGITS_STATS_TARGET, lib.RlkLogitsStats),
+                         (LOGITS_FINISH_TARGET, lib.RlkLogitsFinish),
+                         (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad),
+                         (ATTENTION_FORWARD_TARGET,
+                          lib.RlkAttentionForwardSm90),
+                         (ATTENTION_DKDV_TARGET, lib.RlkAttentionDkdvSm90)):
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
+                                platform="CUDA")
+  _state.update(kernels=set(), loaded=set(), generation=0, complete=False,
+                next_scan=0.0, where=pathlib.Path(path).parent)
+  _refresh(lib)
+  return lib
+
+
+def _refresh(lib) -> None:
+  """Hands the library the kernels that arrived since the last look (at
+  most every RECHECK_S seconds, never once the build is whole), and
+  resumes a build that stopped part-way. Under _lock."""
+  if _state["complete"] or time.monotonic() < _state["next_scan"]:
+    return
+  _state["next_scan"] = time.monotonic() + RECHECK_S
+  where = _state["where"]
+  codes = set(CONFIGS.values())
+  added = False
+  for path in _build.kernel_libraries(where):
+    if path in _state["loaded"]:
+      continue
+    plugin = ctypes.CDLL(str(path))
+    for variant in _build.VARIANTS:
+      for code in codes:
+        if (*variant, code) in _state["kernels"]:
+          continue
+        try:
+          entry = getattr(plugin, _build.kernel_symbol(variant, code))
+        except AttributeError:
+          continue
+        entry.restype = ctypes.c_void_p
+        if lib.rlk_det_gemm_sm90_add_kernel(*variant, code, entry()) == 0:
+          _state["kernels"].add((*variant, code))
+          added = True
+    _state["loaded"].add(path)
+    _state.setdefault("plugins", []).append(plugin)  # kept loaded
+  if added:
+    _state["generation"] += 1
+  if (where / _build.KERNELS_NAME).is_file():
+    _state["complete"] = True
+  elif (not os.environ.get("RLK_CUDA_FFI_LIB")
+        and os.environ.get("RLK_CUDA_FFI_AUTOBUILD", "1") != "0"):
+    try:
+      _build.start_background()  # resumes a stopped build; no-op if one runs
+    except _build.BuildUnavailable:
+      pass
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -152,6 +227,11 @@ def _declare(lib: ctypes.CDLL) -> None:
       ctypes.POINTER(ctypes.c_float)]
   lib.rlk_det_gemm_sm90_choose_config.restype = ctypes.c_int
   lib.rlk_det_gemm_sm90_choose_config.argtypes = [i64, i64, i64]
+  lib.rlk_det_gemm_sm90_choose_built_config.restype = ctypes.c_int
+  lib.rlk_det_gemm_sm90_choose_built_config.argtypes = [ctypes.c_int] * 3 + [
+      i64, i64, i64]
+  lib.rlk_det_gemm_sm90_add_kernel.restype = ctypes.c_int
+  lib.rlk_det_gemm_sm90_add_kernel.argtypes = [ctypes.c_int] * 3 + [i64, vp]
   lib.rlk_det_gemm_sm90_split_columns.restype = i64
   lib.rlk_det_gemm_sm90_split_columns.argtypes = [i64, i64]
   lib.rlk_pack_info_scratch_bytes.restype = i64
@@ -180,14 +260,72 @@ def _declare(lib: ctypes.CDLL) -> None:
                                  ctypes.c_int]
 
 
-def unavailable_reason(platform: str) -> str | None:
-  """None when the SM90 det_gemm can run on `platform`, else why not."""
+def unavailable_reason(platform: str, wait: bool = True) -> str | None:
+  """None when the library runs on `platform`, else why not.
+
+  While a build runs, `wait` (the default) waits for its main library (the
+  first thing it makes, in well under a minute): the ops other than
+  det_gemm have implementations that need not give its bits, so a process
+  must not take one or the other by how far a build has come. det_gemm,
+  whose implementations all give the same bits, asks with `wait` False."""
   if platform != "gpu":
     return f"needs a CUDA GPU (platform is {platform!r})"
   reason = sm90_reason()
   if reason is not None:
     return reason
-  return _load()[1]
+  lib, reason = _load()
+  if lib is None and wait:
+    where = _build._library_dir()
+    while (where is not None and not (where / _build.LIBRARY_NAME).is_file()
+           and _build.builder_running(where)):
+      time.sleep(0.5)
+    with _lock:
+      _state["retry_at"] = 0.0
+    lib, reason = _load()
+  return reason
+
+
+def kernel_built(transpose_a: bool, transpose_b: bool, out_f32: bool,
+                 config: str) -> bool:
+  """Whether the loaded library has this config's kernel for this layout
+  (the split: both of its kernels; "auto": some kernel of the layout)."""
+  kernels = _state.get("kernels") or set()
+  layout = (int(transpose_a), int(transpose_b), int(out_f32))
+  if config == "auto":
+    return any(k[:3] == layout for k in kernels)
+  if config == "split_256x192_128x256":
+    return all((*layout, CONFIGS[c]) in kernels
+               for c in ("cooperative_256x192", "cooperative_128x256"))
+  return (*layout, CONFIGS[config]) in kernels
+
+
+def built_configs(transpose_a: bool, transpose_b: bool,
+                  out_f32: bool) -> list[str]:
+  """The configs the loaded library can run in this layout (CONFIGS'
+  order; the split where both of its kernels are built; "auto" not
+  included)."""
+  return [c for c in CONFIGS if c != "auto"
+          and kernel_built(transpose_a, transpose_b, out_f32, c)]
+
+
+def build_complete() -> bool:
+  """Whether the loaded library has every kernel of its build (False
+  while none is loaded or a build still adds kernels)."""
+  generation()
+  return bool(_state.get("complete"))
+
+
+def generation() -> int:
+  """A count that grows each time kernels arrive in the loaded library
+  (0 before): choices made on what was built are made again when it moves.
+  Cheap once the build is whole."""
+  if _state.get("complete"):
+    return _state["generation"]
+  lib = _state.get("lib")
+  if lib is not None:
+    with _lock:
+      _refresh(lib)
+  return _state.get("generation", 0)
 
 
 def library() -> ctypes.CDLL:
@@ -255,9 +393,19 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype,
               raster=np.int64(raster))[0]
 
 
-def chosen_config(m: int, n: int, k: int) -> str:
-  """The instantiation an ``auto`` call of this shape runs on this GPU."""
-  code = library().rlk_det_gemm_sm90_choose_config(m, n, k)
+def chosen_config(m: int, n: int, k: int, *, transpose_a: bool | None = None,
+                  transpose_b: bool = False, out_f32: bool = False
+                  ) -> str | None:
+  """The instantiation the library's rule picks for this shape on this
+  GPU; given a layout, among the kernels built for it (None: none yet)."""
+  lib = library()
+  if transpose_a is None:
+    code = lib.rlk_det_gemm_sm90_choose_config(m, n, k)
+  else:
+    code = lib.rlk_det_gemm_sm90_choose_built_config(
+        int(transpose_a), int(transpose_b), int(out_f32), m, n, k)
+    if code == 0:
+      return None
   return {code_: name for name, code_ in CONFIGS.items()}[code]
 
 
@@ -324,7 +472,10 @@ def build_id() -> str:
           _state["build_id"] = hashlib.sha256(f.read()).hexdigest()[:16]
       else:
         path = _build.library_path()
-        _state["build_id"] = path.parent.name if path else "unknown"
+        _state["build_id"] = (
+            "unknown" if path is None
+            else f"prebuilt-{_build._sources_digest()}"
+            if path.parent == _build.PREBUILT_DIR else path.parent.name)
     return _state["build_id"]
 
 

@@ -3,21 +3,39 @@ wheel, the XLA FFI headers from jaxlib) into a cache keyed by everything that
 goes into it.
 
     python -m cuda_ffi.build            # build (or find) the library, print its path
+    python -m cuda_ffi.build --status   # what is built, and a running build's progress
     python -m cuda_ffi.build --check    # compile every source for sm_90a, link nothing
     python -m cuda_ffi.build --objects DIR  # keep the objects in DIR (default: the cache)
 
 Nothing is downloaded: the inputs are the `nvcc` on PATH (or $CUDA_HOME), the
-installed `nvidia-cutlass` wheel ($RLK_CUTLASS_DIR overrides) and jaxlib. The
-kernels compile once per (operand layout, output dtype) variant, in parallel.
+installed `nvidia-cutlass` wheel ($RLK_CUTLASS_DIR overrides) and jaxlib.
+
+What it makes, in the cache directory of its key: the main library (the FFI
+handlers, pack, linear_logp's row kernels, attention, row reductions and
+det_gemm's dispatch, no GEMM kernel), and the det_gemm kernels, one object
+per (operand layout, output dtype, config) of BUILD_CONFIGS. Each kernel is
+linked into a small library of its own as soon as it is compiled, so a
+process can load the kernels that exist while the rest compile; at the end
+all of them go into one library and the small ones are removed. Every
+config gives the same bits, so a process never waits for a kernel to get
+the right answer, only for the fastest one.
+
+Objects are kept (default: ``objects/`` in the cache) under a key of their
+own inputs, so a build stopped part-way resumes, and processes sharing the
+cache never write one file. One build runs per cache at a time (a lock);
+the first use of det_gemm on a Hopper GPU starts it in the background
+(``cuda_ffi._load``).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -25,6 +43,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC / "det_gemm_kernels.cu"
@@ -38,10 +58,79 @@ LOGP_SOURCE = CSRC / "linear_logp_kernels.cu"
 ROW_REDUCE_SOURCE = CSRC / "row_reduce_kernels.cu"
 # det_attention's Hopper forward, its XLA handler and C entry, one file.
 ATTENTION_SOURCE = CSRC / "attention_sm90_kernels.cu"
+# A kernel library's entry: the launch function of the kernel object it is
+# linked with (compiled once per kernel, with that kernel's defines).
+ENTRY_SOURCE = CSRC / "det_gemm_kernel_entry.cc"
 LIBRARY_NAME = "librlk_cuda_ffi.so"
+# Every kernel of the build in one library: present once the build is whole.
+KERNELS_NAME = "librlk_cuda_ffi_kernels.so"
+# One library per kernel while the build runs (removed at the end).
+KERNEL_DIR = "kernels"
+PROGRESS_NAME = "progress.json"
+LOG_NAME = "build.log"
+# Kernels a process is waiting for, one "ta tb f32 code" a line: compiled
+# before the others.
+WANTED_NAME = "wanted.txt"
 # (transpose_a, transpose_b, f32 output): every product det_gemm's forward and
 # backward can ask for.
 VARIANTS = [(ta, tb, f32) for ta in (0, 1) for tb in (0, 1) for f32 in (0, 1)]
+
+# The configs the build compiles in each layout, most useful first: a greedy
+# cover of 3213 products timed on every config (H100 and H200 sweeps), cut
+# at 22, 22 and 12 objects in the layouts a model's forward and backward use
+# (000 JAX's forward and torch's dA, 010 torch's forward and JAX's dA, 100
+# both dW); the rule's five most useful in the f32-output layouts
+# (linear_logp's logits and gradient accumulators) and three generalists in
+# the two rare ones (a transposed A times a transposed B). 77 objects in
+# place of 288: about 3.5 minutes on 16 cores in place of 12.5. What that
+# costs: 1.0019x (000), 1.0012x (010), 1.0001x (100) the best config's time
+# in geomean over the sweeps' products
+# (benchmarks/results/cpu-2026-11-27/det_gemm_build_configs/). Every config
+# gives the same bits, so this is speed only; the tuned tables name only
+# these, and the autotuner and the rule choose among what is built.
+# RLK_CUDA_FFI_CONFIGS=all builds every config in every layout.
+_DATA_LAYOUT_CONFIGS = {
+    (0, 0, 0): ("cooperative_256x192", "cooperative_128x256",
+                "pingpong_64x128", "swap_pingpong_64x32", "pingpong_128x128",
+                "cooperative_128x192", "pingpong_64x64_cluster_2x1",
+                "cooperative_128x320_k32", "pingpong_64x128_cluster_4x2",
+                "pingpong_64x64", "pingpong_192x128_cluster_2x1",
+                "pingpong_64x128_cluster_2x1",
+                "cooperative_128x128_cluster_1x1", "cooperative_128x224",
+                "cooperative_128x96", "pingpong_192x96_cluster_2x1",
+                "pingpong_64x256", "cooperative_128x256_cluster_1x2",
+                "cooperative_128x160", "pingpong_64x32", "cooperative_128x128",
+                "pingpong_128x96_cluster_2x4"),
+    (0, 1, 0): ("cooperative_256x192", "cooperative_128x256",
+                "pingpong_64x128", "swap_pingpong_64x32", "pingpong_128x128",
+                "cooperative_128x192", "pingpong_64x64_cluster_2x1",
+                "pingpong_64x128_cluster_4x2", "pingpong_192x96_cluster_2x1",
+                "pingpong_64x64", "pingpong_128x96_cluster_2x4",
+                "cooperative_128x320_k32", "pingpong_64x128_cluster_2x1",
+                "cooperative_256x128", "pingpong_192x128_cluster_2x1",
+                "cooperative_128x128", "cooperative_128x128_cluster_1x1",
+                "pingpong_64x32", "pingpong_64x256", "cooperative_128x224",
+                "pingpong_64x64_cluster_1x2", "cooperative_128x160"),
+    (1, 0, 0): ("cooperative_256x192", "cooperative_128x256",
+                "pingpong_128x128", "cooperative_128x192",
+                "pingpong_128x128_cluster_1x2", "cooperative_128x128",
+                "cooperative_128x256_cluster_1x2", "pingpong_64x128",
+                "pingpong_64x256", "pingpong_64x128_cluster_4x2",
+                "cooperative_256x128", "pingpong_64x128_cluster_2x1"),
+}
+_F32_CONFIGS = ("cooperative_256x192", "cooperative_128x256",
+                "pingpong_64x128", "swap_pingpong_64x32", "pingpong_128x128")
+_RARE_CONFIGS = ("cooperative_128x256", "pingpong_64x128",
+                 "swap_pingpong_64x32")
+BUILD_CONFIGS = {
+    **_DATA_LAYOUT_CONFIGS,
+    **{v: _F32_CONFIGS for v in ((0, 0, 1), (0, 1, 1), (1, 0, 1))},
+    **{v: _RARE_CONFIGS for v in ((1, 1, 0), (1, 1, 1))},
+}
+# The order layouts take their turns in (round robin, so every layout soon
+# has a kernel): the forward and backward layouts first.
+_LAYOUT_ORDER = ((0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1), (0, 1, 1),
+                 (1, 0, 1), (1, 1, 0), (1, 1, 1))
 
 
 def kernel_configs() -> dict[str, int]:
@@ -154,10 +243,7 @@ def _ffi_header(ffi: pathlib.Path) -> bytes:
 def build_key(nvcc: str, cutlass: pathlib.Path, ffi: pathlib.Path) -> str:
   """The library's cache key: a hash of every source, the flags, and the
   compiler and header versions."""
-  h = hashlib.sha256()
-  for path in sorted(CSRC.iterdir()):
-    h.update(path.name.encode())
-    h.update(path.read_bytes())
+  h = hashlib.sha256(_sources_digest().encode())
   h.update(" ".join(NVCC_FLAGS).encode())
   h.update(_tool_versions(nvcc, cutlass))
   h.update(_ffi_header(ffi))
@@ -197,52 +283,161 @@ def _kept_objects(commands, nvcc: str, cutlass: pathlib.Path,
   return keyed
 
 
-def library_path() -> pathlib.Path | None:
-  """The cached library for the current sources, if it was built."""
-  if os.environ.get("RLK_CUDA_FFI_LIB"):
-    return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
+
+def planned_kernels() -> list[tuple[tuple[int, int, int], str]]:
+  """``(layout, header config name)`` of every kernel object the build
+  makes, in the order it compiles them: the layouts take turns, each
+  giving its most useful config not yet taken (BUILD_CONFIGS), so every
+  layout has its first kernels early. RLK_CUDA_FFI_CONFIGS=all: every
+  config in every layout."""
+  from cuda_ffi import CONFIGS  # the names the tuned tables use
+  configs = kernel_configs()
+  by_code = {code: name for name, code in configs.items()}
+  by_snake = {name: by_code[code] for name, code in CONFIGS.items()
+              if code in by_code}
+  if os.environ.get("RLK_CUDA_FFI_CONFIGS", "") == "all":
+    return [(v, name) for v in VARIANTS for name in configs]
+  lists = {v: [by_snake[c] for c in BUILD_CONFIGS[v]] for v in _LAYOUT_ORDER}
+  out = []
+  for rank in range(max(map(len, lists.values()))):
+    out += [(v, lists[v][rank]) for v in _LAYOUT_ORDER if rank < len(lists[v])]
+  return out
+
+
+def planned_configs(variant) -> list[str]:
+  """The config names (cuda_ffi.CONFIGS') the build makes for one layout,
+  the split included where it makes both of its kernels."""
+  from cuda_ffi import CONFIGS
+  codes = {kernel_configs()[name] for v, name in planned_kernels()
+           if v == tuple(variant)}
+  names = [c for c, code in CONFIGS.items() if code in codes]
+  if {"cooperative_256x192", "cooperative_128x256"} <= set(names):
+    names.append("split_256x192_128x256")
+  return names
+
+
+# Where a wheel built with RLK_WHEEL_CUDA_FFI=1 (setup.py) carries the
+# whole library, with PREBUILT_RECORD saying what it was built from.
+PREBUILT_DIR = pathlib.Path(__file__).resolve().parent / "prebuilt"
+PREBUILT_RECORD = "build.json"
+
+
+def _sources_digest() -> str:
+  """What a library's contents depend on apart from the tools: the
+  sources and the kernels the build makes."""
+  h = hashlib.sha256()
+  for path in sorted(CSRC.iterdir()):
+    h.update(path.name.encode())
+    h.update(path.read_bytes())
+  h.update(repr(planned_kernels()).encode())
+  return h.hexdigest()[:16]
+
+
+def prebuilt_record(ffi: pathlib.Path) -> dict:
+  """The record a wheel's prebuilt library keeps: the sources it was built
+  from and the XLA FFI C API it was compiled against (jaxlib's header),
+  both checked before it is used, so a wheel never runs against another
+  jaxlib's FFI or other sources."""
+  return {"sources": _sources_digest(),
+          "ffi_api": hashlib.sha256(_ffi_header(ffi)).hexdigest()[:16]}
+
+
+def _prebuilt_dir() -> pathlib.Path | None:
+  """The wheel's prebuilt library, if there is one for these sources and
+  the installed jaxlib (no compiler needed to tell)."""
   try:
-    key = build_key(*_inputs())
+    record = json.loads((PREBUILT_DIR / PREBUILT_RECORD).read_text())
+  except (OSError, ValueError):
+    return None
+  mine = prebuilt_record(find_ffi_include())
+  if any(record.get(k) != v for k, v in mine.items()):
+    return None
+  return PREBUILT_DIR if complete(PREBUILT_DIR) else None
+
+
+def _library_dir() -> pathlib.Path | None:
+  """Where the library for the current sources lives: RLK_CUDA_FFI_LIB's
+  folder, the wheel's prebuilt one, or this machine's cache (None: no
+  toolchain to key it by)."""
+  if os.environ.get("RLK_CUDA_FFI_LIB"):
+    return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"]).parent
+  prebuilt = _prebuilt_dir()
+  if prebuilt is not None:
+    return prebuilt
+  try:
+    return cache_dir() / build_key(*_inputs())
   except BuildUnavailable:
     return None
-  path = cache_dir() / key / LIBRARY_NAME
-  return path if path.is_file() else None
 
 
-def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
-                      variants=VARIANTS, configs=None, kernels=None):
-  """nvcc command lines, one per object, writing into `out_dir`: a kernel
-  object per variant and config (or per (variant, config name) pair of
-  `kernels`), then the other sources once each."""
+def library_path() -> pathlib.Path | None:
+  """The main library for the current sources, if it was built (its
+  kernels may still be building: kernel_libraries, complete)."""
+  if os.environ.get("RLK_CUDA_FFI_LIB"):
+    return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
+  where = _library_dir()
+  path = where / LIBRARY_NAME if where else None
+  return path if path and path.is_file() else None
+
+
+def kernel_libraries(where: pathlib.Path) -> list[pathlib.Path]:
+  """The kernel libraries there now: the whole build's one, or while the
+  build runs one per kernel compiled so far."""
+  whole = where / KERNELS_NAME
+  if whole.is_file():
+    return [whole]
+  return sorted((where / KERNEL_DIR).glob("det_gemm_*.so"))
+
+
+def kernel_symbol(variant, code: int) -> str:
+  """The entry a kernel library exports for one kernel
+  (det_gemm_kernel_entry.cc)."""
+  ta, tb, f32 = variant
+  return f"rlk_det_gemm_sm90_kernel_{ta}{tb}{f32}_{code}"
+
+
+def complete(where: pathlib.Path) -> bool:
+  return (where / LIBRARY_NAME).is_file() and (where / KERNELS_NAME).is_file()
+
+
+def _kernel_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path, kernels,
+                     configs):
+  """``[(variant, name, kernel command, entry command)]``."""
   includes = ["-I", str(CSRC), "-isystem", str(cutlass / "include"),
               "-isystem", str(cutlass / "tools" / "util" / "include")]
-  commands = []
-  configs = kernel_configs() if configs is None else configs
-  if kernels is None:
-    kernels = [(variant, name) for variant in variants for name in configs]
   extended = extended_mma_configs()
+  out = []
   # One object per (variant, config): ~40 s each, so the build spreads over
   # every core instead of waiting on eight long ones.
-  for (ta, tb, f32), name in kernels:
+  for variant, name in kernels:
+    ta, tb, f32 = variant
     code = configs[name]
-    obj = out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o"
+    defines = [f"-DRLK_TA={ta}", f"-DRLK_TB={tb}", f"-DRLK_OUT_F32={f32}",
+               f"-DRLK_CONFIG={code}"]
     atoms = (["-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"]
              if name in extended else [])
-    commands.append([nvcc, *NVCC_FLAGS, *includes, *atoms,
-                     f"-DRLK_TA={ta}", f"-DRLK_TB={tb}",
-                     f"-DRLK_OUT_F32={f32}", f"-DRLK_CONFIG={code}", "-c",
-                     str(KERNEL_SOURCE), "-o", str(obj)])
+    kernel = [nvcc, *NVCC_FLAGS, *includes, *atoms, *defines, "-c",
+              str(KERNEL_SOURCE), "-o",
+              str(out_dir / f"det_gemm_kernels_{ta}{tb}{f32}_{code}.o")]
+    entry = [nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
+             str(CSRC), *defines, "-c", str(ENTRY_SOURCE), "-o",
+             str(out_dir / f"det_gemm_kernel_entry_{ta}{tb}{f32}_{code}.o")]
+    out.append((variant, name, kernel, entry))
+  return out
+
+
+def _core_commands(nvcc, ffi, out_dir: pathlib.Path):
+  """The main library's objects: every source but the GEMM kernels."""
   pack_kernels, pack_api = PACK_SOURCES
-  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(pack_kernels),
-                   "-o", str(out_dir / "pack_rows_kernels.o")])
-  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
-                   "-c", str(LOGP_SOURCE),
-                   "-o", str(out_dir / "linear_logp_kernels.o")])
-  commands.append([nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi),
-                   "-c", str(ATTENTION_SOURCE),
-                   "-o", str(out_dir / "attention_sm90_kernels.o")])
-  commands.append([nvcc, *NVCC_FLAGS, "-c", str(ROW_REDUCE_SOURCE),
-                   "-o", str(out_dir / "row_reduce_kernels.o")])
+  commands = [
+      [nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-c", str(pack_kernels),
+       "-o", str(out_dir / "pack_rows_kernels.o")],
+      [nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi), "-c",
+       str(LOGP_SOURCE), "-o", str(out_dir / "linear_logp_kernels.o")],
+      [nvcc, *NVCC_FLAGS, "-I", str(CSRC), "-isystem", str(ffi), "-c",
+       str(ATTENTION_SOURCE), "-o", str(out_dir / "attention_sm90_kernels.o")],
+      [nvcc, *NVCC_FLAGS, "-c", str(ROW_REDUCE_SOURCE),
+       "-o", str(out_dir / "row_reduce_kernels.o")]]
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
   for source in (API_SOURCE, pack_api):
@@ -252,27 +447,51 @@ def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
   return commands
 
 
+def _compile_commands(nvcc, cutlass, ffi, out_dir: pathlib.Path,
+                      variants=VARIANTS, configs=None, kernels=None):
+  """nvcc command lines, one per object, writing into `out_dir`: a kernel
+  object and its entry per variant and config (or per (variant, config
+  name) pair of `kernels`), then the other sources once each."""
+  configs = kernel_configs() if configs is None else configs
+  if kernels is None:
+    kernels = [(variant, name) for variant in variants for name in configs]
+  commands = []
+  for *_, kernel, entry in _kernel_commands(nvcc, cutlass, ffi, out_dir,
+                                            kernels, configs):
+    commands += [kernel, entry]
+  return commands + _core_commands(nvcc, ffi, out_dir)
+
+
 def _output(cmd) -> pathlib.Path:
   return pathlib.Path(cmd[cmd.index("-o") + 1])
 
 
+def _run(cmd) -> subprocess.CompletedProcess:
+  """Runs one nvcc command, writing under a partial name of this process
+  and renaming it once whole: an object or library directory that outlives
+  a killed build never holds a truncated file that a later build would use,
+  and two builds sharing it never write one file."""
+  out = _output(cmd)
+  partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+  i = cmd.index("-o") + 1
+  done = subprocess.run([*cmd[:i], str(partial), *cmd[i + 1:]],
+                        capture_output=True, text=True)
+  if done.returncode == 0:
+    os.replace(partial, out)
+  return done
+
+
+def _link_command(nvcc, objects, out: pathlib.Path):
+  # cudart linked statically: the library needs only the driver at run time.
+  return [nvcc, "-shared", "-cudart", "static",
+          "-gencode", "arch=compute_90a,code=sm_90a",
+          *map(str, objects), "-o", str(out)]
+
+
 def _run_all(commands, jobs: int, log=print):
-  def run(cmd):
-    # Written under a partial name of this process and renamed once whole,
-    # so an object directory that outlives a killed build
-    # (build(objects=...)) never holds a truncated object that a later
-    # build would link, and two builds sharing it never write one file.
-    out = _output(cmd)
-    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    i = cmd.index("-o") + 1
-    done = subprocess.run([*cmd[:i], str(partial), *cmd[i + 1:]],
-                          capture_output=True, text=True)
-    if done.returncode == 0:
-      os.replace(partial, out)
-    return cmd, done
   failures = []
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-    for cmd, done in pool.map(run, commands):
+    for cmd, done in zip(commands, pool.map(_run, commands)):
       name = _output(cmd).name
       log(f"  {'ok' if done.returncode == 0 else 'FAILED'}: {name}")
       if done.returncode != 0:
@@ -281,10 +500,206 @@ def _run_all(commands, jobs: int, log=print):
     raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(failures))
 
 
+def _minutes(seconds: float) -> str:
+  seconds = int(round(seconds))
+  return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class _Build:
+  """One build of the library into `where`: a pool of `jobs` threads takes
+  steps in priority order (the main library's objects, then the kernels a
+  process waits for, then the rest in planned_kernels' order), links the
+  main library once its objects exist and each kernel's own library as
+  soon as it is compiled, and the whole build's kernel library at the end.
+  Steps whose output exists are skipped, so a stopped build resumes."""
+
+  def __init__(self, where, objects, jobs, log):
+    self.where, self.jobs, self.log = where, jobs, log
+    self.nvcc, cutlass, ffi = _inputs()
+    self.core = _kept_objects(_core_commands(self.nvcc, ffi, where),
+                              self.nvcc, cutlass, ffi, objects)
+    self.kernels = []
+    for variant, name, kernel, entry in _kernel_commands(
+        self.nvcc, cutlass, ffi, where, planned_kernels(), kernel_configs()):
+      kernel, entry = _kept_objects([kernel, entry], self.nvcc, cutlass, ffi,
+                                    objects)
+      code = kernel_configs()[name]
+      self.kernels.append((variant, code, kernel, entry))
+    self.lock = threading.Lock()
+    self.failures: list[str] = []
+    self.core_linked = False
+    self.started = time.monotonic()
+    self.done = self.done_here = 0
+    self.total = len(self.core) + len(self.kernels)
+
+  def _plugin(self, variant, code) -> pathlib.Path:
+    ta, tb, f32 = variant
+    return self.where / KERNEL_DIR / f"det_gemm_{ta}{tb}{f32}_{code}.so"
+
+  def _wanted(self) -> set:
+    try:
+      lines = (self.where / WANTED_NAME).read_text().split("\n")
+    except OSError:
+      return set()
+    return {tuple(map(int, line.split())) for line in lines if line.strip()}
+
+  def _next(self, pending):
+    """The step to run next (under the lock): a main-library object first,
+    then a wanted kernel, then the planned order."""
+    if not pending:
+      return None
+    wanted = self._wanted()
+    for i, step in enumerate(pending):
+      if step[0] == "core":
+        return pending.pop(i)
+    for i, step in enumerate(pending):
+      (ta, tb, f32), code = step[1][0], step[1][1]
+      if (ta, tb, f32, code) in wanted:
+        return pending.pop(i)
+    return pending.pop(0)
+
+  def _progress(self, what: str, complete: bool = False) -> None:
+    elapsed = time.monotonic() - self.started
+    left = self.total - self.done
+    rate = self.done_here / elapsed if self.done_here and elapsed > 0 else 0
+    estimate = (left / rate) if rate else None
+    record = {"pid": os.getpid(), "total": self.total, "done": self.done,
+              "elapsed_s": round(elapsed, 1),
+              "left_s": None if estimate is None else round(estimate, 1),
+              "complete": complete, "last": what,
+              "failed": len(self.failures), "time": time.time()}
+    tmp = self.where / f"{PROGRESS_NAME}.{os.getpid()}.partial"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, self.where / PROGRESS_NAME)
+    about = "" if estimate is None else f", about {_minutes(estimate)} left"
+    self.log(f"rlk cuda_ffi build: [{self.done}/{self.total}] "
+             f"{_minutes(elapsed)}{about}: {what}")
+
+  def _step(self, step) -> None:
+    kind, item = step
+    if kind == "core":
+      done = _run(item) if not _output(item).is_file() else None
+      what = _output(item).name.split("-")[0]
+    else:
+      variant, code, kernel, entry = item
+      done = None
+      for cmd in (entry, kernel):
+        if not _output(cmd).is_file():
+          done = _run(cmd)
+          if done.returncode != 0:
+            break
+      plugin = self._plugin(variant, code)
+      if (done is None or done.returncode == 0) and not plugin.is_file():
+        done = _run(_link_command(self.nvcc, [_output(kernel),
+                                              _output(entry)], plugin))
+      what = f"det_gemm kernel {''.join(map(str, variant))} {code}"
+    with self.lock:
+      if done is not None and done.returncode != 0:
+        self.failures.append(f"$ {' '.join(done.args)}\n"
+                             f"{done.stderr[-4000:]}")
+        what += " FAILED"
+      self.done += 1
+      self.done_here += 1
+      self._progress(what)
+      core_left = any(not _output(c).is_file() for c in self.core)
+      link_core = (kind == "core" and not core_left and not self.failures
+                   and not self.core_linked
+                   and not (self.where / LIBRARY_NAME).is_file())
+      # (Two steps may see the last object appear at once: one links.)
+      self.core_linked |= link_core
+    if link_core:
+      self._link(self.core, LIBRARY_NAME)
+
+  def _link(self, objects, name) -> None:
+    done = _run(_link_command(
+        self.nvcc, [_output(c) for c in objects], self.where / name))
+    if done.returncode != 0:
+      self.failures.append(f"linking {name}")
+      raise RuntimeError(f"cuda_ffi build: linking {name} failed:\n"
+                         f"{done.stderr[-4000:]}")
+
+  def run(self) -> None:
+    try:
+      self._run()
+    except BaseException:
+      # A build that failed (not one stopped: its progress keeps failed 0)
+      # is not restarted by first use over and over; `python -m
+      # cuda_ffi.build` tries again.
+      if self.failures:
+        self._progress("failed")
+      raise
+
+  def _run(self) -> None:
+    (self.where / KERNEL_DIR).mkdir(parents=True, exist_ok=True)
+    pending = [("core", c) for c in self.core
+               if not _output(c).is_file()]
+    self.done = len(self.core) - len(pending)
+    for item in self.kernels:
+      variant, code, kernel, entry = item
+      if (self._plugin(variant, code).is_file()
+          or (self.where / KERNELS_NAME).is_file()):
+        self.done += 1
+      else:
+        pending.append(("kernel", item))
+    self.log(f"rlk: building the cuda_ffi SM90 library ({len(self.core)} "
+             f"objects and {len(self.kernels)} det_gemm kernels; "
+             f"{len(pending)} of {self.total} steps to do, {self.jobs} jobs; "
+             f"a one-time cost, cached in {self.where}; a stopped build "
+             f"resumes)")
+    if not pending and not (self.where / LIBRARY_NAME).is_file():
+      self._link(self.core, LIBRARY_NAME)
+
+    def worker():
+      # Past a failed step too: every object that compiles is kept for the
+      # next build, which then has only the failed ones to do.
+      while True:
+        with self.lock:
+          step = self._next(pending)
+        if step is None:
+          return
+        self._step(step)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+      for future in [pool.submit(worker) for _ in range(self.jobs)]:
+        future.result()
+    if self.failures:
+      raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(self.failures))
+    if not (self.where / KERNELS_NAME).is_file():
+      self._link([c for _, _, kernel, entry in self.kernels
+                  for c in (kernel, entry)], KERNELS_NAME)
+    shutil.rmtree(self.where / KERNEL_DIR, ignore_errors=True)
+    self._progress("complete", complete=True)
+
+
+@contextlib.contextmanager
+def _builder_lock(where: pathlib.Path, blocking: bool = False):
+  """Held by the one build of `where` that runs (yields False, holding
+  nothing, where another build holds it and `blocking` is False)."""
+  import fcntl
+  where.mkdir(parents=True, exist_ok=True)
+  with open(where / ".build.lock", "a") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+      yield False
+      return
+    try:
+      yield True
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def builder_running(where: pathlib.Path) -> bool:
+  """Whether a build of `where` runs now (in any process)."""
+  with _builder_lock(where) as mine:
+    return not mine
+
+
 def build(jobs: int | None = None, log=print,
-          objects: str | os.PathLike | None = None) -> pathlib.Path:
-  """Builds the library unless the cache already has it (or RLK_CUDA_FFI_LIB
-  names a prebuilt one); returns its path.
+          objects: str | os.PathLike | None = None,
+          wait: bool = True) -> pathlib.Path:
+  """Builds the library unless the cache already has it whole (or
+  RLK_CUDA_FFI_LIB names a prebuilt one); returns the main library's path.
 
   `objects`: the directory that keeps the compiled objects and is reused
   (default: ``objects`` beside the cached libraries): an object already
@@ -292,55 +707,138 @@ def build(jobs: int | None = None, log=print,
   Ctrl-C, a preempted job) resumes where it stopped, objects compiled on
   another machine can be carried in, and a change to one source
   recompiles only its own objects (each is named by a key of its inputs:
-  _kept_objects). Processes sharing it never write one file (each writes
-  its own partial name and renames it whole) and never link a partial
-  object."""
+  _kept_objects). Where another process is building, waits for it
+  (printing its progress), or with `wait` False returns at once."""
   if os.environ.get("RLK_CUDA_FFI_LIB"):
     return pathlib.Path(os.environ["RLK_CUDA_FFI_LIB"])
+  if _prebuilt_dir() is not None:
+    return PREBUILT_DIR / LIBRARY_NAME
   nvcc, cutlass, ffi = _inputs()
-  final = cache_dir() / build_key(nvcc, cutlass, ffi)
-  lib = final / LIBRARY_NAME
-  if lib.is_file():
-    return lib
-  final.parent.mkdir(parents=True, exist_ok=True)
-  jobs = jobs or os.cpu_count() or 1
-  with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
-    tmp = pathlib.Path(tmp)
-    commands = _compile_commands(nvcc, cutlass, ffi, tmp)
-    objects = (pathlib.Path(objects) if objects is not None
-               else final.parent / "objects")
-    objects.mkdir(parents=True, exist_ok=True)
-    commands = _kept_objects(commands, nvcc, cutlass, ffi, objects)
-    todo = [c for c in commands if not _output(c).is_file()]
-    log(f"rlk: building the cuda_ffi SM90 det_gemm library ({len(VARIANTS)} "
-        f"layouts x {len(kernel_configs())} kernel configs, {len(todo)} of "
-        f"{len(commands)} objects to compile, {jobs} jobs; a one-time cost, "
-        f"cached in {final}; objects kept in {objects}, where a stopped "
-        f"build resumes)")
-    _run_all(todo, jobs, log)
-    objs = sorted(str(_output(c)) for c in commands)
-    # cudart linked statically: the library needs only the driver at run time.
-    subprocess.run([nvcc, "-shared", "-cudart", "static",
-                    "-gencode", "arch=compute_90a,code=sm_90a",
-                    *objs, "-o", str(tmp / LIBRARY_NAME)], check=True,
-                   capture_output=True, text=True)
-    staged = tmp / "staged"
-    staged.mkdir()
-    shutil.move(str(tmp / LIBRARY_NAME), staged / LIBRARY_NAME)
-    try:
-      staged.rename(final)  # atomic: concurrent builders never see half a dir
-    except OSError:
-      if not lib.is_file():
-        raise
-  return lib
+  where = cache_dir() / build_key(nvcc, cutlass, ffi)
+  objects = (pathlib.Path(objects) if objects is not None
+             else where.parent / "objects")
+  while not complete(where):
+    with _builder_lock(where) as mine:
+      if mine:
+        objects.mkdir(parents=True, exist_ok=True)
+        _Build(where, objects, jobs or os.cpu_count() or 1, log).run()
+        break
+    if not wait:
+      break
+    seen = None
+    while builder_running(where):
+      line = status_line(where)
+      if line != seen:
+        log(f"rlk: waiting for another build: {line}")
+        seen = line
+      time.sleep(2)
+  return where / LIBRARY_NAME
+
+
+def want(variant, code: int) -> None:
+  """Asks a running (or the next) build to compile this kernel next."""
+  where = _library_dir()
+  if where is None:
+    return
+  where.mkdir(parents=True, exist_ok=True)
+  with open(where / WANTED_NAME, "a") as f:
+    f.write(" ".join(map(str, (*variant, code))) + "\n")
+
+
+def write_prebuilt(into: pathlib.Path, jobs: int | None = None,
+                   log=print) -> list[pathlib.Path]:
+  """Builds the whole library (or finds it in the cache) and copies it,
+  with its record, into `into` (a wheel's cuda_ffi/prebuilt/: setup.py).
+  Returns the files written."""
+  lib = build(jobs, log=log)
+  into.mkdir(parents=True, exist_ok=True)
+  written = []
+  for name in (LIBRARY_NAME, KERNELS_NAME):
+    shutil.copy2(lib.parent / name, into / name)
+    written.append(into / name)
+  record = into / PREBUILT_RECORD
+  record.write_text(json.dumps(prebuilt_record(_inputs()[2]), indent=1))
+  return written + [record]
+
+
+def start_background() -> str:
+  """Starts a build in a low-priority process of its own unless one runs
+  or the library is whole; returns where it logs. Raises BuildUnavailable
+  when this machine cannot build."""
+  nvcc, cutlass, ffi = _inputs()
+  where = cache_dir() / build_key(nvcc, cutlass, ffi)
+  if not complete(where) and not builder_running(where):
+    progress = status(where)["progress"] or {}
+    if progress.get("failed"):
+      raise BuildUnavailable(f"the last build of these sources failed (log "
+                             f"{where / LOG_NAME}); `python -m "
+                             f"cuda_ffi.build` tries again")
+    where.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    # The worker imports this package from where this process did.
+    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    with open(where / LOG_NAME, "a") as out:
+      worker = subprocess.Popen(
+          [sys.executable, "-m", "cuda_ffi.build", "--worker"],
+          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+          env=env, start_new_session=True)
+    # Returns once the worker holds the build's lock (a second or two), so
+    # that a caller waiting for the build (cuda_ffi.unavailable_reason)
+    # never mistakes a build not yet started for no build.
+    while (worker.poll() is None and not builder_running(where)
+           and not complete(where)):
+      time.sleep(0.1)
+  return str(where / LOG_NAME)
+
+
+def status(where: pathlib.Path | None = None) -> dict:
+  """What is built where the current sources' library lives, and the
+  progress of a build that runs there."""
+  where = where or _library_dir()
+  if where is None:
+    return {"where": None}
+  try:
+    progress = json.loads((where / PROGRESS_NAME).read_text())
+  except (OSError, ValueError):
+    progress = None
+  kernels = ("all" if (where / KERNELS_NAME).is_file()
+             else len(kernel_libraries(where)))
+  return {"where": str(where), "library": (where / LIBRARY_NAME).is_file(),
+          "kernels": kernels, "planned": len(planned_kernels()),
+          "complete": complete(where),
+          "building": where.is_dir() and builder_running(where),
+          "progress": progress}
+
+
+def status_line(where: pathlib.Path | None = None) -> str:
+  s = status(where)
+  if s["where"] is None:
+    return "no CUDA toolchain here: nothing to build"
+  if s["complete"]:
+    return f"built: {s['where']} (every one of {s['planned']} kernels)"
+  p = s["progress"] or {}
+  state = ("building" if s["building"]
+           else "stopped part-way (the next use or build resumes it)"
+           if p else "not built")
+  line = (f"{state}: main library {'built' if s['library'] else 'not yet'}, "
+          f"{s['kernels']} of {s['planned']} kernels ({s['where']})")
+  if s["building"] and p:
+    left = p.get("left_s")
+    line += (f"; step {p['done']} of {p['total']}, "
+             f"{_minutes(p['elapsed_s'])} in"
+             + ("" if left is None else f", about {_minutes(left)} left"))
+  return line
 
 
 def check(jobs: int | None = None, variants=VARIANTS, configs=None,
           log=print, kernels=None) -> None:
   """Compiles the sources for sm_90a into a scratch directory (no link):
-  every non-kernel source once, and the kernel file once per variant in
-  `variants` and config in `configs` (names of kernel_configs(); default
-  all), or, with `kernels`, once per (variant, config name) pair in it."""
+  every non-kernel source once, and the kernel file (with its entry) once
+  per variant in `variants` and config in `configs` (names of
+  kernel_configs(); default all), or, with `kernels`, once per (variant,
+  config name) pair in it."""
   nvcc, cutlass, ffi = _inputs()
   chosen = kernel_configs()
   if configs is not None and kernels is None:
@@ -355,6 +853,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true",
                       help="compile only, into a scratch directory")
+  parser.add_argument("--status", action="store_true",
+                      help="say what is built and how a running build goes")
+  parser.add_argument("--worker", action="store_true",
+                      help="the background build (started by first use)")
   parser.add_argument("--jobs", type=int, default=None)
   parser.add_argument("--objects", default=None,
                       help="keep the objects in this directory and reuse "
@@ -362,9 +864,14 @@ def main(argv=None) -> int:
                       "cache, so a stopped build resumes)")
   args = parser.parse_args(argv)
   try:
-    if args.check:
+    if args.status:
+      print(status_line())
+    elif args.check:
       check(args.jobs)
       print("cuda_ffi sources compile for sm_90a")
+    elif args.worker:
+      os.nice(19)  # the background build: the user's own work comes first
+      build(args.jobs, objects=args.objects, wait=False)
     else:
       print(build(args.jobs, objects=args.objects))
   except BuildUnavailable as e:

@@ -110,9 +110,22 @@ def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
   config = _gemm_tuning.choose_config(
       m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
       out_f32=jnp.dtype(out_dtype) == jnp.float32)
+  if config is None:
+    # Its kernel is still building (cuda_ffi.build): another implementation
+    # meanwhile, which gives the same bits.
+    if triton_backend.unavailable_reason("gpu") is None:
+      return _triton_matmul(a, b, transpose_a, transpose_b, out_dtype)
+    return _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype)
   return cuda_ffi.matmul(a, b, transpose_a=transpose_a,
                          transpose_b=transpose_b, out_dtype=out_dtype,
                          config=config)
+
+
+def _cuda_ffi_unavailable(platform):
+  # Never waits for a running build: every det_gemm implementation gives
+  # the same bits, so a product runs on another until its kernel is built
+  # (_cuda_ffi_matmul).
+  return cuda_ffi.unavailable_reason(platform, wait=False)
 
 
 # The operands of one product as every implementation's check sees them:
@@ -134,7 +147,7 @@ TABLE = _dispatch.register_reference_and_pallas(
                "among bit-identical configs (Triton lowering on GPUs, the "
                "Pallas interpreter on CPUs)",
     gpu_first=[_dispatch.Implementation(
-        "cuda_ffi", _cuda_ffi_matmul, cuda_ffi.unavailable_reason,
+        "cuda_ffi", _cuda_ffi_matmul, _cuda_ffi_unavailable,
         "CUTLASS SM90 TMA warp-specialized kernels behind an XLA FFI call "
         "(Hopper; bf16 operands, K and N multiples of 8)",
         operand_check=cuda_ffi.operand_reason),

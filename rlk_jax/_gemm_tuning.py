@@ -80,6 +80,8 @@ TABLE_DIR = pathlib.Path(__file__).resolve().parent / "tuned"
 
 _lock = threading.Lock()
 _memo: dict[tuple, str] = {}
+# The cuda_ffi.generation() the memo's choices were made at.
+_memo_generation = [0]
 # Products whose tuning failed in this process (no memory, say): not retried.
 _untunable: set[tuple] = set()
 
@@ -263,32 +265,65 @@ def _disk_cache(device: str, build: str) -> DiskCache:
 
 def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
                   transpose_b: bool, out_f32: bool, may_tune: bool = True,
-                  device: str | None = None) -> str:
+                  device: str | None = None) -> str | None:
   """The SM90 config for this product on this device (see the module doc).
-  `may_tune=False` (inside a CUDA-graph capture, say) never measures."""
+  `may_tune=False` (inside a CUDA-graph capture, say) never measures.
+
+  While a build still adds kernels (cuda_ffi.build_complete() is False),
+  only built configs are chosen: the tuner times those alone, the rule
+  chooses among them, and where the cache or a table names one not built
+  yet, None: the caller runs another implementation (every one gives the
+  same bits) until it arrives. Choices are made again as kernels arrive,
+  and a choice the tuner made among part of the kernels is tuned again
+  once the build is whole."""
   import cuda_ffi
   if m == 0:
     return "auto"
   device = device or _device_name()
   key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
   memo_key = (device, key)
+  generation = cuda_ffi.generation()
+  complete = cuda_ffi.build_complete()
+  built = functools.partial(cuda_ffi.kernel_built, transpose_a, transpose_b,
+                            out_f32)
   with _lock:
+    if _memo_generation[0] != generation:
+      _memo.clear()
+      _memo_generation[0] = generation
     if memo_key in _memo:
       return _memo[memo_key]
     cache = _disk_cache(device, cuda_ffi.build_id())
     table = shipped_table(device)
-    config = cache.get(key) or table.exact(key)
+    config = cache.get(key)
+    if (config is not None and complete and may_tune
+        and _tuned_on_part(cache.entry(key))
+        and _tunable(memo_key, m, n, k, out_f32)):
+      config = None  # tuned while the build ran: tuned again, on all
+    config = config or table.exact(key)
     if config is None and may_tune and _tunable(memo_key, m, n, k, out_f32):
       config = _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b,
-                     out_f32)
+                     out_f32, complete)
     if config is None:
-      config = table.nearest(key)
-      if config is None:
-        config = cuda_ffi.chosen_config(m, n, k)
-      if not may_tune:  # may be measured later, outside the capture
-        return config
+      config = table.nearest(key) or cuda_ffi.chosen_config(
+          m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+          out_f32=out_f32)
+    if config is not None and not built(config):
+      # What the whole build would run is not here yet; once the build is
+      # whole (a table naming a config it left out), the rule's choice
+      # among what it built.
+      config = cuda_ffi.chosen_config(
+          m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+          out_f32=out_f32) if complete else None
+    if config is None or not may_tune:
+      return config  # not kept: a later kernel, or a measurement, may move it
     _memo[memo_key] = config
     return config
+
+
+def _tuned_on_part(entry: dict | None) -> bool:
+  """Whether a cached tuning timed only part of the configs (a build was
+  still adding kernels)."""
+  return bool(entry and entry.get("partial_build"))
 
 
 def _tunable(memo_key, m, n, k, out_f32) -> bool:
@@ -298,12 +333,17 @@ def _tunable(memo_key, m, n, k, out_f32) -> bool:
           and 2 * m * n * k <= _tune_max_flops())
 
 
-def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
+def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32,
+          complete=True):
   import cuda_ffi
+  candidates = [c for c in CANDIDATES
+                if cuda_ffi.kernel_built(transpose_a, transpose_b, out_f32, c)]
+  if not candidates:
+    return None
   try:
     screen, sustained = cuda_ffi.sustained_times(
         m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-        out_f32=out_f32, configs=CANDIDATES)
+        out_f32=out_f32, configs=candidates)
     config = pick(sustained)
   except (RuntimeError, ValueError) as e:
     _log.warning("rlk: det_gemm tuning of %s failed (%s); using the table or "
@@ -313,7 +353,8 @@ def _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b, out_f32):
   try:
     cache.put(key, {"config": config, "m": m,
                     "ms": {c: t for c, t in screen.items() if t is not None},
-                    "sustained_ms": sustained})
+                    "sustained_ms": sustained,
+                    **({} if complete else {"partial_build": True})})
   except OSError as e:  # a read-only home: keep the choice for this process
     _log.warning("rlk: cannot write the det_gemm tuning cache: %s", e)
   return config
@@ -365,7 +406,8 @@ def trial_configs(m: int, n: int, k: int, *, transpose_a: bool,
     ranked += list(LARGE_M_TRIALS)
   out = [chosen]
   for c in ranked:
-    if c not in out and c in cuda_ffi.CONFIGS and len(out) < limit:
+    if (c not in out and c in cuda_ffi.CONFIGS and len(out) < limit
+        and cuda_ffi.kernel_built(transpose_a, transpose_b, out_f32, c)):
       out.append(c)
   return out
 

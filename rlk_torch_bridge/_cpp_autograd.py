@@ -51,10 +51,21 @@ def set_enabled(on: bool) -> None:
   _switch[0] = bool(on)
 
 
-@functools.cache
 def load() -> bool:
   """Builds (once) and loads the operators and hands them the cuda_ffi
-  library's entries. False, with one warning, where it cannot."""
+  library's entries. False, with one warning, where it cannot; False
+  without one while the cuda_ffi library is still building (asked again
+  on later calls)."""
+  if _load.cache_info().currsize:  # asked on hot paths: settled, cheap
+    return _load()
+  import cuda_ffi
+  if cuda_ffi.unavailable_reason("gpu", wait=False) is not None:
+    return False
+  return _load()
+
+
+@functools.cache
+def _load() -> bool:
   try:
     import cuda_ffi
     from torch.utils import cpp_extension
@@ -94,8 +105,10 @@ def product(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
   yet (a call that records a gradient while the products are on trial:
   the Python route runs the backward's products, where their trials
   time them)."""
+  import cuda_ffi
+  # The library's generation: kernels a running build adds are taken up.
   key = (a.shape, b.shape, transpose_b, a.dtype, b.dtype, out_dtype,
-         implementation, a.device.index)
+         implementation, a.device.index, cuda_ffi.generation())
   if key in _PLANS:
     return _PLANS[key]
   if torch.cuda.is_current_stream_capturing():
@@ -124,6 +137,10 @@ def _products(m, n, k, transpose_b, out_f32):
           else (k, n, m, True, False, False))
 
 
+class _NotBuilt(Exception):
+  """A product's kernel config is still building (cuda_ffi.build)."""
+
+
 class _Plan:
   """A signature's three products: their configs once their trials have
   kept them (``fixed``), and meanwhile the forward's trial (``forward_run``,
@@ -141,6 +158,8 @@ class _Plan:
     chosen = [_gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
                                          transpose_b=tb, out_f32=f32)
               for pm, pn, pk, ta, tb, f32 in products]
+    if None in chosen:  # a kernel still building: the Python route for now
+      raise _NotBuilt
     self.launchable = all(_in_situ.launchable(*p, c)
                           for p, c in zip(products, chosen))
     self.trials = [_in_situ.trial(*p, c) for p, c in zip(products, chosen)]
@@ -161,7 +180,9 @@ class _Plan:
 
   def _remember(self, config):
     import cuda_ffi
-    if self.linear:
+    # Only once the build is whole: the C++ route never asks Python again,
+    # so it would keep a config chosen among part of the kernels.
+    if self.linear and cuda_ffi.build_complete():
       # A bias-free nn.Linear's product: the C++ decoding route takes it
       # from now on with this config (csrc/aten_route.cpp).
       torch.ops.rlk.remember_linear(*self.shape, self.dtype,
@@ -179,6 +200,8 @@ class _Plan:
     configs = [_gemm_tuning.choose_config(pm, pn, pk, transpose_a=ta,
                                           transpose_b=tb, out_f32=f32)
                for pm, pn, pk, ta, tb, f32 in self.products]
+    if None in configs:
+      return None
     self._remember(configs[0])
     codes = [cuda_ffi.CONFIGS[c] for c in configs]
     op = torch.ops.rlk.det_mm_sm90.default
@@ -196,7 +219,10 @@ def _plan(a, b, transpose_b, out_dtype, implementation):
     return None
   linear = (implementation is None and transpose_b and out_dtype == a.dtype
             and a.dtype in (torch.bfloat16, torch.float16))
-  plan = _Plan(m, n, k, transpose_b, out_dtype, a.dtype, a.device.index,
-               linear, _products(m, n, k, transpose_b,
-                                 out_dtype == torch.float32))
+  try:
+    plan = _Plan(m, n, k, transpose_b, out_dtype, a.dtype, a.device.index,
+                 linear, _products(m, n, k, transpose_b,
+                                   out_dtype == torch.float32))
+  except _NotBuilt:
+    return None
   return plan if plan.launchable else None

@@ -19,6 +19,7 @@ import math
 import jax
 import torch
 
+import cuda_ffi
 from rlk_jax import _det_gemm, _gemm_tuning
 from rlk_torch_bridge import _in_situ, _library, _sm90
 from triton_kernels import det_matmul as triton_det_matmul
@@ -83,7 +84,7 @@ def _kernel(a, b, transpose_a, transpose_b, out_dtype, implementation):
   # launcher) is worked out once: the eager per-call cost is most of what a
   # small product costs.
   key = (a.shape, b.shape, transpose_a, transpose_b, a.dtype, b.dtype,
-         out_dtype, implementation, a.is_cuda)
+         out_dtype, implementation, a.is_cuda, cuda_ffi.generation())
   run = _PLANS.get(key)
   if run is None:
     if len(_PLANS) > 4096:
@@ -108,12 +109,19 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
   flat = (lambda a: a) if transpose_a or a.ndim == 2 else (
       lambda a: a.reshape(m, k))
   shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
+  config = None
   if impl == "cuda_ffi" and a.is_cuda:
     capturing = torch.cuda.is_current_stream_capturing()
     out_f32 = out_dtype == torch.float32
     config = _gemm_tuning.choose_config(
         m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
         out_f32=out_f32, may_tune=not capturing)
+    if config is None:
+      # Its kernel is still building (cuda_ffi.build): the Triton kernel
+      # meanwhile, which gives the same bits. (The plan is keyed by the
+      # library's generation: a later call takes the kernel once built.)
+      impl = "triton"
+  if config is not None:
     trial = None if capturing else _in_situ.trial(
         m, n, k, transpose_a, transpose_b, out_f32, config)
     if trial is None or trial.best is not None:

@@ -1,9 +1,13 @@
 """cuda_ffi on a machine without a Hopper GPU: it imports, says why it is
 unavailable, rlk_jax never picks it, and its sources compile for sm_90a."""
 
+import json
+import os
 import pathlib
 import re
 import subprocess
+import sys
+import time
 
 import jax.numpy as jnp
 import pytest
@@ -146,8 +150,9 @@ def test_sources_compile_for_sm90a():
             "attention_sm90_kernels.o", "row_reduce_kernels.o",
             "det_gemm_api.o", "pack_rows_api.o"]
   assert sorted(compiled) == sorted(
-      [f"  ok: det_gemm_kernels_{''.join(map(str, v))}_{codes[name]}.o"
-       for v, name in kernels] + [f"  ok: {name}" for name in others])
+      [f"  ok: det_gemm_{part}_{''.join(map(str, v))}_{codes[name]}.o"
+       for v, name in kernels for part in ("kernels", "kernel_entry")]
+      + [f"  ok: {name}" for name in others])
 
 
 def _fake_tools(monkeypatch, tmp_path):
@@ -165,6 +170,23 @@ def _kept(objects, cutlass, ffi, **kw):
       "nvcc", cutlass, ffi, objects)
 
 
+def _planned_objects(objects, cutlass, ffi):
+  """(kernel object, entry object) paths of every planned kernel, and the
+  main library's objects, as the build keys them in `objects`."""
+  configs = build.kernel_configs()
+  kernels = []
+  for _, _, kernel, entry in build._kernel_commands(
+      "nvcc", cutlass, ffi, cutlass / "scratch", build.planned_kernels(),
+      configs):
+    kernel, entry = build._kept_objects([kernel, entry], "nvcc", cutlass, ffi,
+                                        objects)
+    kernels.append((str(build._output(kernel)), str(build._output(entry))))
+  core = [str(build._output(c)) for c in build._kept_objects(
+      build._core_commands("nvcc", ffi, cutlass / "scratch"), "nvcc", cutlass,
+      ffi, objects)]
+  return kernels, core
+
+
 @pytest.mark.parametrize("where", ["default", "given"])
 def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
     tmp_path, monkeypatch, where):
@@ -172,7 +194,7 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   # object, as a build killed mid-compile would leave it. By default the
   # objects are kept in the cache, so a plain `build()` resumes too.
   _fake_tools(monkeypatch, tmp_path)
-  compiled, linked = [], []
+  compiled, linked = [], {}
   failing = {"det_gemm_kernels_000_1"}
 
   def nvcc(cmd, capture_output=True, text=True, check=False):
@@ -180,45 +202,194 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
     out.write_bytes(b"part")
     stem = out.name.split("-")[0]
     if "-shared" in cmd:
-      linked.append(cmd[cmd.index("arch=compute_90a,code=sm_90a") + 1:
-                        cmd.index("-o")])
+      name = out.name.split(".so.")[0] + ".so"
+      linked[name] = cmd[cmd.index("arch=compute_90a,code=sm_90a") + 1:
+                         cmd.index("-o")]
     else:
       compiled.append(stem)
     rc = 1 if stem in failing else 0
-    if rc and check:
-      raise subprocess.CalledProcessError(rc, cmd)
     return subprocess.CompletedProcess(cmd, rc, "", "nvcc died")
 
   monkeypatch.setattr(build.subprocess, "run", nvcc)
   objects = (tmp_path / "cache" / "cuda_ffi" / "objects" if where == "default"
              else tmp_path / "objects")
   kept = None if where == "default" else objects
-  expected = sorted(str(build._output(c))
-                    for c in _kept(objects, tmp_path, tmp_path))
-  stems = sorted(pathlib.Path(p).name.split("-")[0] for p in expected)
-  assert len(expected) == len(set(expected)) == len(stems)
-  assert "det_gemm_api" in stems
+  library_dir = tmp_path / "cache" / "cuda_ffi" / "all"
+  kernels, core = _planned_objects(objects, tmp_path, tmp_path)
+  assert len(kernels) == len(build.planned_kernels()) == 77
+  every = [o for pair in kernels for o in pair] + core
+  assert len(every) == len(set(every))
   objects.mkdir(parents=True)
-  carried = next(pathlib.Path(p) for p in expected
-                 if "det_gemm_kernels_111_1-" in p)
+  carried = next(pathlib.Path(k) for k, _ in kernels
+                 if "det_gemm_kernels_111_1-" in k)
   carried.write_bytes(b"from another machine")
   # Another key's object (other sources or tools): not used.
   (objects / "det_gemm_kernels_000_2-0123456789abcdef.o").write_bytes(b"x")
   with pytest.raises(RuntimeError, match="det_gemm_kernels_000_1-"):
     build.build(jobs=4, log=lambda *_: None, objects=kept)
-  assert not linked
-  assert sorted(compiled) == [s for s in stems if s != "det_gemm_kernels_111_1"]
+  # No whole kernel library, no library of the failed kernel; every other
+  # kernel's own library links exactly its two objects.
+  assert build.KERNELS_NAME not in linked
+  assert "det_gemm_000_1.so" not in linked
+  for (variant, name), (kernel, entry) in zip(build.planned_kernels(),
+                                              kernels):
+    plugin = f"det_gemm_{''.join(map(str, variant))}_" \
+             f"{build.kernel_configs()[name]}.so"
+    if "det_gemm_kernels_000_1-" not in kernel:
+      assert linked[plugin] == [kernel, entry]
+      assert (library_dir / build.KERNEL_DIR / plugin).is_file()
+  assert sorted(compiled) == sorted(
+      pathlib.Path(p).name.split("-")[0] for p in every
+      if "det_gemm_kernels_111_1-" not in p)
   assert not list(objects.glob("det_gemm_kernels_000_1-*.o"))
   assert list(objects.glob("det_gemm_kernels_000_1-*.o.*.partial"))
+  # A failed build is reported and not restarted by first use.
+  assert build.status(library_dir)["progress"]["failed"] == 1
+  assert "stopped part-way" in build.status_line(library_dir)
+  with pytest.raises(build.BuildUnavailable, match="failed"):
+    build.start_background()
   # Another build's partial object, still being written: never linked.
-  second = next(p for p in expected if "det_gemm_kernels_000_2-" in p)
+  second = next(k for k, _ in kernels if "det_gemm_kernels_000_2-" in k)
   pathlib.Path(second + ".999.partial").write_bytes(b"")
   compiled.clear()
+  linked.clear()
   failing.clear()
   lib = build.build(jobs=4, log=lambda *_: None, objects=kept)
   assert compiled == ["det_gemm_kernels_000_1"]  # resumed: the one missing
-  assert linked == [expected]  # every object once, no partial one
-  assert lib == tmp_path / "cache" / "cuda_ffi" / "all" / build.LIBRARY_NAME
+  whole = [o for pair in kernels for o in pair]
+  assert linked[build.KERNELS_NAME] == whole  # every kernel once, no partial
+  assert linked.get(build.LIBRARY_NAME, core) == core
+  assert lib == library_dir / build.LIBRARY_NAME
+  assert build.complete(library_dir)
+  assert not (library_dir / build.KERNEL_DIR).exists()  # folded into one
+  assert build.kernel_libraries(library_dir) == [
+      library_dir / build.KERNELS_NAME]
+  assert build.status_line(library_dir).startswith("built:")
+
+
+def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
+  # A process waiting for a kernel (cuda_ffi asks through build.want) gets
+  # it right after the main library's objects, whatever the planned order.
+  _fake_tools(monkeypatch, tmp_path)
+  order = []
+
+  def nvcc(cmd, capture_output=True, text=True, check=False):
+    out = pathlib.Path(cmd[cmd.index("-o") + 1])
+    out.write_bytes(b"obj")
+    if "-shared" not in cmd:
+      order.append(out.name.split("-")[0])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(build.subprocess, "run", nvcc)
+  last_variant, last_name = build.planned_kernels()[-1]
+  code = build.kernel_configs()[last_name]
+  build.want(last_variant, code)
+  lines = []
+  build.build(jobs=1, log=lines.append)
+  stem = "det_gemm_kernels_" + "".join(map(str, last_variant)) + f"_{code}"
+  core = {"pack_rows_kernels", "linear_logp_kernels", "attention_sm90_kernels",
+          "row_reduce_kernels", "det_gemm_api", "pack_rows_api"}
+  assert set(order[:6]) == core
+  assert order[6:8] == [stem.replace("kernels", "kernel_entry"), stem]
+  # A progress line per step: done of total, elapsed, an estimate.
+  assert re.search(r"\[7/83\] \d+m\d\ds, about \d+m\d\ds left",
+                   "\n".join(lines))
+
+
+@pytest.fixture
+def stand_in_toolchain(tmp_path, monkeypatch):
+  """A stand-in nvcc on PATH (it writes each -o file), CUTLASS headers in
+  name only, the cache in tmp_path: real build processes, in seconds."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  fake = bin_dir / "nvcc"
+  fake.write_text(
+      "#!/usr/bin/env python3\n"
+      "import sys, time\n"
+      "args = sys.argv[1:]\n"
+      "if '--version' in args:\n"
+      "  print('Cuda compilation tools, release 13.0, V13.0.0'); sys.exit()\n"
+      "time.sleep(0.01)\n"
+      "open(args[args.index('-o') + 1], 'w').write('obj')\n")
+  fake.chmod(0o755)
+  cutlass = tmp_path / "cutlass"
+  (cutlass / "include" / "cutlass").mkdir(parents=True)
+  (cutlass / "include" / "cutlass" / "cutlass.h").write_text("")
+  monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+  monkeypatch.delenv("CUDA_HOME", raising=False)
+  monkeypatch.delenv("CUDA_PATH", raising=False)
+  monkeypatch.delenv("RLK_CUDA_FFI_LIB", raising=False)
+  monkeypatch.setenv("RLK_CUTLASS_DIR", str(cutlass))
+  monkeypatch.setenv("RLK_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(build, "find_nvcc", lambda: str(fake))
+  build._tool_versions.cache_clear()
+  yield fake
+  build._tool_versions.cache_clear()
+
+
+def test_the_first_use_builds_in_a_background_process_once(
+    stand_in_toolchain):
+  # A real worker process (python -m cuda_ffi.build --worker): started once
+  # however often it is asked, the library whole at the end, the status
+  # line saying so.
+  where = build._library_dir()
+  log = build.start_background()
+  assert build.start_background() == log  # one build: the second finds it
+  deadline = time.monotonic() + 120
+  while not build.complete(where) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert build.complete(where), pathlib.Path(log).read_text()[-3000:]
+  text = pathlib.Path(log).read_text()
+  assert text.count("rlk: building the cuda_ffi SM90 library") == 1
+  assert "[83/83]" in text
+  assert build.status_line(where).startswith("built:")
+
+
+def test_a_wheel_carries_the_prebuilt_library_and_checks_it_on_load(
+    stand_in_toolchain, tmp_path, monkeypatch):
+  # RLK_WHEEL_CUDA_FFI=1: setup.py builds the library (the stand-in
+  # compiler here) into the wheel's cuda_ffi/prebuilt/ with its record; a
+  # platform wheel. The record is checked against the installed jaxlib's FFI
+  # header and the sources, with no compiler needed to tell.
+  import shutil
+  import zipfile
+  root = pathlib.Path(__file__).resolve().parent.parent
+  src = tmp_path / "src"  # (setuptools builds in the tree it is given)
+  for name in ("pyproject.toml", "setup.py", "README.md"):
+    shutil.copy2(root / name, src / name) if src.is_dir() else (
+        src.mkdir(), shutil.copy2(root / name, src / name))
+  for package in ("cuda_ffi", "rlk_jax", "rlk_torch_bridge", "pallas_kernels",
+                  "triton_kernels", "benchmarks"):
+    shutil.copytree(root / package, src / package, ignore=shutil.ignore_patterns(
+        "results", "__pycache__", "prebuilt"))
+  done = subprocess.run(
+      [sys.executable, "-m", "pip", "wheel", "--no-deps",
+       "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+      capture_output=True, text=True, timeout=600,
+      env={**os.environ, "RLK_WHEEL_CUDA_FFI": "1"})
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  wheel, = (tmp_path / "dist").glob("rlk-*.whl")
+  assert wheel.name.endswith("-py3-none-linux_x86_64.whl"), wheel.name
+  names = zipfile.ZipFile(wheel).namelist()
+  for name in (build.LIBRARY_NAME, build.KERNELS_NAME, build.PREBUILT_RECORD):
+    assert f"cuda_ffi/prebuilt/{name}" in names, names
+  record = json.loads(zipfile.ZipFile(wheel).read(
+      f"cuda_ffi/prebuilt/{build.PREBUILT_RECORD}"))
+  assert record == build.prebuilt_record(build.find_ffi_include())
+  # Loading: taken where the record matches, passed over where it does not.
+  prebuilt = tmp_path / "prebuilt"
+  prebuilt.mkdir()
+  for name in (build.LIBRARY_NAME, build.KERNELS_NAME):
+    (prebuilt / name).write_bytes(b"lib")
+  (prebuilt / build.PREBUILT_RECORD).write_text(json.dumps(record))
+  monkeypatch.setattr(build, "PREBUILT_DIR", prebuilt)
+  assert build.library_path() == prebuilt / build.LIBRARY_NAME
+  assert build.build() == prebuilt / build.LIBRARY_NAME  # nothing to build
+  (prebuilt / build.PREBUILT_RECORD).write_text(
+      json.dumps({**record, "ffi_api": "another jaxlib"}))
+  # The cache's (the wheel's build above made it with these sources).
+  assert build._library_dir().parent == tmp_path / "cache" / "cuda_ffi"
+  assert build.library_path() == build._library_dir() / build.LIBRARY_NAME
 
 
 def test_kept_objects_are_keyed_by_their_own_inputs_not_the_machines_paths(
@@ -261,6 +432,6 @@ def test_every_source_is_part_of_the_build():
                      build.KERNEL_SOURCE.name,
                      build.API_SOURCE.name, "pack_rows.h",
                      build.LOGP_SOURCE.name, build.ROW_REDUCE_SOURCE.name,
-                     build.ATTENTION_SOURCE.name,
+                     build.ATTENTION_SOURCE.name, build.ENTRY_SOURCE.name,
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()

@@ -35,18 +35,35 @@ def fake_library(monkeypatch, tmp_path):
     if isinstance(times.get("raise"), Exception):
       raise times["raise"]
     screen = {c: times.get(c, 1.0 + 0.1 * i) for i, c in enumerate(configs)}
+    calls.setdefault("candidates", []).append(list(configs))
     # the screen's six fastest, timed again (times["hot"] where set)
     finalists = sorted(screen, key=screen.get)[:6]
     return screen, {c: times.get("hot", {}).get(c, screen[c])
                     for c in finalists}
 
-  def chosen_config(m, n, k):
+  # The library's kernels: all of them (a whole build), unless a test sets
+  # times["built"] to the configs built so far (a build still running).
+  def built(config):
+    return times.get("built") is None or config in times["built"] or (
+        config == "split_256x192_128x256" and {
+            "cooperative_256x192", "cooperative_128x256"} <= times["built"])
+
+  def chosen_config(m, n, k, *, transpose_a=None, **_):
     calls["rule"].append((m, n, k))
-    return "pingpong_64x128"
+    if transpose_a is None or built("pingpong_64x128"):
+      return "pingpong_64x128"
+    # the rule among what is built: here, the first built candidate
+    return next((c for c in tuning.CANDIDATES if built(c)), None)
 
   monkeypatch.setattr(cuda_ffi, "sustained_times", sustained_times)
   monkeypatch.setattr(cuda_ffi, "chosen_config", chosen_config)
   monkeypatch.setattr(cuda_ffi, "build_id", lambda: "build0")
+  monkeypatch.setattr(cuda_ffi, "kernel_built",
+                      lambda ta, tb, f32, config: built(config))
+  monkeypatch.setattr(cuda_ffi, "build_complete",
+                      lambda: times.get("built") is None)
+  monkeypatch.setattr(cuda_ffi, "generation",
+                      lambda: len(times.get("built") or ()))
   table_dir = tmp_path / "tables"
   table_dir.mkdir()
   monkeypatch.setattr(tuning, "TABLE_DIR", table_dir)
@@ -352,3 +369,59 @@ def test_trial_configs_come_from_the_tuners_two_timings(fake_library):
                                  **signature)
   assert untuned == ["pingpong_64x128", *tuning.LARGE_M_TRIALS]
   assert set(tuning.LARGE_M_TRIALS) <= set(tuning.CANDIDATES)
+
+
+def test_while_the_build_runs_only_built_kernels_are_chosen(fake_library):
+  # A build still adding kernels (cuda_ffi.build): the table's config not
+  # built yet -> None (det_gemm runs another implementation, the same bits)
+  # until it arrives; the tuner times only what is built and is asked again
+  # once the build is whole; the rule chooses among what is built.
+  calls, times, ship = fake_library
+  ship(DEVICE, {"000 128 4096 4096": "cooperative_128x192"})
+  times["built"] = {"pingpong_128x128"}
+  assert choose(128) is None
+  assert not calls["timed"]
+  times["built"] = {"pingpong_128x128", "cooperative_128x192"}
+  assert choose(128) == "cooperative_128x192"
+  # No table entry: tuned among the built configs only.
+  times["built"] = {"pingpong_128x128", "cooperative_256x192"}
+  assert choose(512) in times["built"]
+  assert set(calls["candidates"][-1]) == times["built"]
+  tuned = tuning.tuned_entry(512, 4096, 4096, transpose_a=False,
+                             transpose_b=False, out_f32=False, device=DEVICE)
+  assert tuned["partial_build"]
+  times["built"] = None  # the build is whole: tuned again, on every config
+  assert choose(512) == tuning.CANDIDATES[0]
+  assert set(calls["candidates"][-1]) == set(tuning.CANDIDATES)
+  assert len(calls["timed"]) == 2
+  # Not tunable (inside a capture): the rule among the built kernels.
+  times["built"] = {"swap_pingpong_64x32"}
+  assert choose(4, n=1024, may_tune=False) == "swap_pingpong_64x32"
+  times["built"] = set()
+  assert choose(8, n=1024, may_tune=False) is None
+
+
+def test_a_table_config_the_build_left_out_takes_the_rules_choice(
+    fake_library):
+  calls, times, ship = fake_library
+  ship(DEVICE, {"000 128 4096 4096": "pingpong_64x320"})
+  times["built"] = None
+  import cuda_ffi
+  original = cuda_ffi.kernel_built
+  try:
+    cuda_ffi.kernel_built = lambda ta, tb, f32, c: c != "pingpong_64x320"
+    assert choose(128) == "pingpong_64x128"
+  finally:
+    cuda_ffi.kernel_built = original
+
+
+def test_shipped_tables_name_only_configs_the_build_makes():
+  # The tables were pruned with the build (build.BUILD_CONFIGS): every entry
+  # names a config compiled for its layout, so a whole build runs them all.
+  for path in sorted(tuning.TABLE_DIR.glob("det_gemm_sm90-*.json")):
+    for key, config in json.loads(path.read_text())["entries"].items():
+      layout = tuple(int(c) for c in key.split()[0])
+      names = (("cooperative_256x192", "cooperative_128x256")
+               if config == "split_256x192_128x256" else (config,))
+      for name in names:
+        assert name in build.BUILD_CONFIGS[layout], (path.name, key, config)

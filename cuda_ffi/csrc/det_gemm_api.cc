@@ -4,6 +4,7 @@
 // bits for the same inputs. The FFI handler is command-buffer compatible
 // (ffi_traits.h): its workspace is an XLA-allocated result.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +27,43 @@ namespace rlk {
 // The rows of a decode step, and those few enough for the swapped tile.
 constexpr int64_t kMaxDecodeRows = 64;
 constexpr int64_t kMaxSwapRows = 32;
+
+// The kernels, one per (layout, output dtype, config), as the build
+// delivers them: each compiled object is linked into a kernel library of its
+// own as soon as it is compiled (and all of them into one at the end), and
+// rlk's loader hands this library each kernel's launch function
+// (rlk_det_gemm_sm90_add_kernel). So a process can run the kernels that
+// exist while the rest still compile, and the library links with any subset
+// of them. Slots are atomic: a kernel may arrive while another thread
+// launches; once set, a slot only ever holds a function giving the same
+// bits (the same kernel from another of its libraries).
+using KernelFn = LaunchStatus (*)(const GemmProblem&, size_t*);
+constexpr int kConfigSlots = static_cast<int>(GemmConfig::kLastConfig) + 1;
+std::atomic<KernelFn> kernels[8][kConfigSlots];
+
+int LayoutIndex(bool ta, bool tb, bool out_f32) {
+  return (ta ? 4 : 0) + (tb ? 2 : 0) + (out_f32 ? 1 : 0);
+}
+
+KernelFn FindKernel(bool ta, bool tb, bool out_f32, GemmConfig config) {
+  const int code = static_cast<int>(config);
+  if (code <= 0 || code >= kConfigSlots) return nullptr;
+  return kernels[LayoutIndex(ta, tb, out_f32)][code].load(
+      std::memory_order_acquire);
+}
+
+// Whether a config can run in layout `layout` (LayoutIndex; -1: any, the
+// rule as it was before kernels arrived one by one).
+bool Built(int layout, GemmConfig config) {
+  if (layout < 0) return true;
+  if (config == GemmConfig::kSplit256x192And128x256) {
+    return Built(layout, GemmConfig::kCooperative256x192) &&
+           Built(layout, GemmConfig::kCooperative128x256);
+  }
+  const int code = static_cast<int>(config);
+  return code > 0 && code < kConfigSlots &&
+         kernels[layout][code].load(std::memory_order_acquire) != nullptr;
+}
 
 namespace {
 
@@ -79,7 +117,12 @@ struct Plan {
   int64_t split_columns = 0;
 };
 
-Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
+// `layout` (LayoutIndex, or -1 for every config): the rule then chooses
+// among the configs built for that layout, the same way, passing over the
+// others (kAuto: none of its configs is built yet).
+Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count,
+                int layout = -1) {
+  auto built = [&](GemmConfig c) { return Built(layout, c); };
   // K is never split, whatever the shape: that would change the bits.
   auto tiles = [&](int64_t bm, int64_t bn) {
     return ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
@@ -96,7 +139,9 @@ Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
   // 64x64), 0.99-1.08x at 1024 (0.72-0.89x, 64x32), 1.00x at 128256 (0.63x,
   // 128x256). M=16 and 32: 0.95-1.28x, ahead of every tile measured or
   // within 3% of the best.
-  if (m <= kMaxSwapRows) return {GemmConfig::kSwapPingpong64x32};
+  if (m <= kMaxSwapRows && built(GemmConfig::kSwapPingpong64x32)) {
+    return {GemmConfig::kSwapPingpong64x32};
+  }
   if (m <= kMaxDecodeRows) {
     // 33-64 rows, one 64-row tile deep: a CTA takes about the same time
     // whatever its width, so the widest ping-pong tile that still gives
@@ -104,13 +149,15 @@ Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
     // 0.97-1.01x), 64x128 at 14336 (0.97-0.98x, 64x64 alike), 64x32 at 2048
     // and 1024 (earlier runs: 0.96x, 64x64 0.92x).
     constexpr int64_t kMinStreamingTiles = 64;
-    if (tiles(64, 128) >= kMinStreamingTiles) {
+    if (tiles(64, 128) >= kMinStreamingTiles &&
+        built(GemmConfig::kPingpong64x128)) {
       return {GemmConfig::kPingpong64x128};
     }
-    if (tiles(64, 64) >= kMinStreamingTiles) {
+    if (tiles(64, 64) >= kMinStreamingTiles &&
+        built(GemmConfig::kPingpong64x64)) {
       return {GemmConfig::kPingpong64x64};
     }
-    return {GemmConfig::kPingpong64x32};
+    if (built(GemmConfig::kPingpong64x32)) return {GemmConfig::kPingpong64x32};
   }
   // Beyond decode rows: the config of least estimated time, where a
   // persistent grid of bm x bn tiles takes waves x (per-tile cost) and a
@@ -155,18 +202,20 @@ Plan ChoosePlan(int64_t m, int64_t n, int64_t k, int sm_count) {
     return waves * (1e-3 * c.ps_per_kmac * c.bm * c.bn * k / 1000.0 +
                     c.tile_ns);
   };
-  Plan best{GemmConfig::kCooperative128x256};
+  Plan best{GemmConfig::kAuto};
   double best_ns = -1;
   for (const Candidate& c : kCandidates) {  // ties: the first listed
+    if (!built(c.config)) continue;
     const double ns = estimate(c, n);
     if (best_ns < 0 || ns < best_ns) best = {c.config}, best_ns = ns;
   }
   // Both large tiles, one column block each (kSplit256x192And128x256).
   const Split split = BestSplit(m, n, sm_count);
-  if (split.columns > 0) {
+  if (split.columns > 0 &&
+      built(GemmConfig::kSplit256x192And128x256)) {
     const double ns = estimate(kCandidates[1], split.columns) +
                       estimate(kCandidates[0], n - split.columns);
-    if (ns < best_ns) {
+    if (best_ns < 0 || ns < best_ns) {
       best = {GemmConfig::kSplit256x192And128x256, split.columns};
     }
   }
@@ -273,15 +322,13 @@ LaunchStatus LaunchOne(bool ta, bool tb, bool out_f32, const GemmProblem& p,
                    "read a B stored [N, K] (transpose_b): its TMA box would "
                    "be 320 rows, past the limit of 256; any other config can"};
   }
-#define RLK_CASE(TA, TB, F32)                                       \
-  if (ta == TA && tb == TB && out_f32 == F32)                       \
-    return LaunchGemm<TA, TB, F32>(p, config, workspace_needed);
-  RLK_CASE(false, false, false) RLK_CASE(false, false, true)
-  RLK_CASE(false, true, false) RLK_CASE(false, true, true)
-  RLK_CASE(true, false, false) RLK_CASE(true, false, true)
-  RLK_CASE(true, true, false) RLK_CASE(true, true, true)
-#undef RLK_CASE
-  return {false, "unreachable layout"};
+  const KernelFn kernel = FindKernel(ta, tb, out_f32, config);
+  if (kernel == nullptr) {
+    return {false, "rlk cuda_ffi det_gemm: this kernel config is not built "
+                   "for this operand layout (yet): the build adds kernels "
+                   "as it compiles them (python -m cuda_ffi.build --status)"};
+  }
+  return kernel(p, workspace_needed);
 }
 
 // Columns [0, columns) with 256x192, the rest with 128x256, on one
@@ -324,8 +371,12 @@ LaunchStatus LaunchSplit(bool ta, bool tb, bool out_f32, const GemmProblem& p,
 LaunchStatus Launch(bool ta, bool tb, bool out_f32, const GemmProblem& p,
                     GemmConfig config, size_t* workspace_needed) {
   Plan plan{config};
-  if (config == GemmConfig::kAuto) {
-    plan = ChoosePlan(p.m, p.n, p.k, p.sm_count);
+  if (config == GemmConfig::kAuto) {  // the rule, among the kernels built
+    plan = ChoosePlan(p.m, p.n, p.k, p.sm_count, LayoutIndex(ta, tb, out_f32));
+    if (plan.config == GemmConfig::kAuto) {
+      return {false, "rlk cuda_ffi det_gemm: no kernel is built for this "
+                     "operand layout yet (python -m cuda_ffi.build --status)"};
+    }
   } else if (config == GemmConfig::kSplit256x192And128x256) {
     plan.split_columns = SplitColumns(p.m, p.n, p.sm_count);
   }
@@ -869,11 +920,39 @@ const char* rlk_det_gemm_sm90_time_configs(
   return last_error.c_str();
 }
 
+// Adds a kernel (a launch function of a kernel library, built from
+// det_gemm_kernels.cu for this layout and GemmConfig code): 0, or -1 for a
+// layout or code out of range.
+int rlk_det_gemm_sm90_add_kernel(int transpose_a, int transpose_b,
+                                 int out_f32, int64_t config, void* launch) {
+  using namespace rlk;
+  if (config <= 0 || config >= kConfigSlots || launch == nullptr ||
+      config == static_cast<int64_t>(GemmConfig::kSplit256x192And128x256)) {
+    return -1;
+  }
+  KernelFn expected = nullptr;
+  kernels[LayoutIndex(transpose_a, transpose_b, out_f32)][config]
+      .compare_exchange_strong(expected, reinterpret_cast<KernelFn>(launch),
+                               std::memory_order_acq_rel);
+  return 0;
+}
+
 // The instantiation an auto call picks on the current device (a GemmConfig
 // code), so tests and benchmarks can name what ran.
 int rlk_det_gemm_sm90_choose_config(int64_t m, int64_t n, int64_t k) {
   return static_cast<int>(
       rlk::ChooseConfig(m, n, k, rlk::CurrentDeviceInfo().sm_count));
+}
+
+// The same rule among the configs built for this layout (0: none is yet).
+int rlk_det_gemm_sm90_choose_built_config(int transpose_a, int transpose_b,
+                                          int out_f32, int64_t m, int64_t n,
+                                          int64_t k) {
+  using namespace rlk;
+  return static_cast<int>(
+      ChoosePlan(m, n, k, CurrentDeviceInfo().sm_count,
+                 LayoutIndex(transpose_a, transpose_b, out_f32))
+          .config);
 }
 
 // The columns a kSplit256x192And128x256 call (forced, or auto where
