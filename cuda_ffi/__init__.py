@@ -162,7 +162,7 @@ def _open(path) -> ctypes.CDLL:
                          (ATTENTION_DKDV_TARGET, lib.RlkAttentionDkdvSm90)):
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                 platform="CUDA")
-  _state.update(kernels=set(), loaded=set(), generation=0, complete=False,
+  _state.update(kernels=set(), loaded=set(), generation=1, complete=False,
                 next_scan=0.0, where=pathlib.Path(path).parent)
   _refresh(lib)
   return lib
@@ -316,16 +316,23 @@ def build_complete() -> bool:
 
 
 def generation() -> int:
-  """A count that grows each time kernels arrive in the loaded library
-  (0 before): choices made on what was built are made again when it moves.
-  Cheap once the build is whole."""
+  """A count that grows when a running build brings the library (1) and
+  each time kernels arrive in it: callers that keep a choice made on what
+  was built (an implementation, a config) key it by this, so it is made
+  again when the count moves. Cheap once the build is whole, or where no
+  build runs."""
   if _state.get("complete"):
     return _state["generation"]
   lib = _state.get("lib")
-  if lib is not None:
-    with _lock:
-      _refresh(lib)
-  return _state.get("generation", 0)
+  if lib is None:
+    if _state.get("retry_at", float("inf")) == float("inf"):
+      return 0  # never asked for, or nothing will come
+    lib = _load()[0]  # a build runs: looks again (at most every RECHECK_S)
+    if lib is None:
+      return 0
+  with _lock:
+    _refresh(lib)
+  return _state["generation"]
 
 
 def library() -> ctypes.CDLL:

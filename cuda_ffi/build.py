@@ -577,6 +577,7 @@ class _Build:
 
   def _step(self, step) -> None:
     kind, item = step
+    began = time.monotonic()
     if kind == "core":
       done = _run(item) if not _output(item).is_file() else None
       what = _output(item).name.split("-")[0]
@@ -593,6 +594,7 @@ class _Build:
         done = _run(_link_command(self.nvcc, [_output(kernel),
                                               _output(entry)], plugin))
       what = f"det_gemm kernel {''.join(map(str, variant))} {code}"
+    what += f" ({time.monotonic() - began:.1f} s)"
     with self.lock:
       if done is not None and done.returncode != 0:
         self.failures.append(f"$ {' '.join(done.args)}\n"

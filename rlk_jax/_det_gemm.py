@@ -245,15 +245,17 @@ def plan(a, b, *, out_dtype=None, implementation: str | None = None,
   both front ends raise the same errors and pick the same kernel. Cached per
   signature: the bridge calls this on every op call.
   """
+  # cuda_ffi.generation(): a library or kernels arriving from a running
+  # build make the choice again.
   return _plan(tuple(a.shape), jnp.dtype(a.dtype), tuple(b.shape),
                jnp.dtype(b.dtype), None if out_dtype is None
                else jnp.dtype(out_dtype), implementation, bool(transpose_b),
-               platform or _dispatch.current_platform())
+               platform or _dispatch.current_platform(), cuda_ffi.generation())
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(a_shape, a_dtype, b_shape, b_dtype, out_dtype, implementation,
-          transpose_b, platform) -> GemmPlan:
+          transpose_b, platform, generation) -> GemmPlan:
   a = jax.ShapeDtypeStruct(a_shape, a_dtype)
   b = jax.ShapeDtypeStruct(b_shape, b_dtype)
   _check(a, b, transpose_b)

@@ -34,9 +34,11 @@ SCHEMA = ("(Tensor a, Tensor b, bool transpose_a, bool transpose_b, "
 def choose(a_shape: tuple, b_shape: tuple, transpose_a: bool,
            transpose_b: bool, dtype: torch.dtype, b_dtype: torch.dtype,
            out_dtype: torch.dtype, implementation: str | None,
-           platform: str) -> str:
+           platform: str, generation: int = 0) -> str:
   """Checks a product (rlk_jax's checks and messages) and names the
-  implementation that runs it. Cached: it runs on every call."""
+  implementation that runs it. Cached: it runs on every call; `generation`
+  (cuda_ffi.generation()) makes the choice again when a running build
+  brings the library or kernels."""
   if not transpose_a:  # the forward: rlk_jax.det_gemm's own plan
     return _det_gemm.plan(
         jax.ShapeDtypeStruct(a_shape, jax_dtype(dtype)),
@@ -73,7 +75,8 @@ def _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation):
   if 0 in a_shape + b_shape:
     implementation = "xla"
   return choose(a_shape, b_shape, transpose_a, transpose_b, a.dtype, b.dtype,
-                out_dtype, implementation, platform_of(a))
+                out_dtype, implementation, platform_of(a),
+                cuda_ffi.generation())
 
 
 _PLANS: dict = {}

@@ -204,7 +204,7 @@ def test_every_layout_and_output_matches_pallas(ta, tb, out, rng):
         configs=[config, "pingpong_64x128"], rounds=1, min_ms=0.0)
     assert times[config] is None and times["pingpong_64x128"] > 0, times
   layout = (int(ta), int(tb), int(out == jnp.float32))
-  assert planned(layout) == cuda_ffi.built_configs(*layout)
+  assert set(planned(layout)) == set(cuda_ffi.built_configs(*layout))
   for config in planned(layout):
     if tb and config in cuda_ffi.B_NK_REFUSED:
       continue
