@@ -115,6 +115,7 @@ def main(argv) -> int:
   rows["background build: whole (its own clock)"] = build["elapsed_s"]
   for log in cache.glob("cuda_ffi/*/build.log"):
     (out / "build.log").write_text(log.read_text())
+  _write(out, rows)
   if "--interrupt_after" in args:
     after = float(args["--interrupt_after"])
     env = {**os.environ, "RLK_CACHE_DIR": str(out / "cache_interrupted")}
@@ -124,6 +125,13 @@ def main(argv) -> int:
     rows["then the build run again to the end"] = round(second, 1)
     rows["time lost to the interruption (both runs - whole build)"] = round(
         first + second - build["elapsed_s"], 1)
+  _write(out, rows)
+  for measure, value in rows.items():
+    print(f"{measure:62s} {value}")
+  return 0
+
+
+def _write(out: pathlib.Path, rows: dict) -> None:
   device = _device()
   date = datetime.date.today().isoformat()
   commit = os.environ.get("RLK_COMMIT") or _commit()
@@ -132,9 +140,6 @@ def main(argv) -> int:
     writer.writerow(["device", "date", "commit", "measure", "seconds"])
     for measure, value in rows.items():
       writer.writerow([device, date, commit, measure, value])
-  for measure, value in rows.items():
-    print(f"{measure:62s} {value}")
-  return 0
 
 
 def _device() -> str:

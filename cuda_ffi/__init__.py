@@ -80,6 +80,8 @@ RASTERS = (0, 1, 2)  # along M, along N
 _log = logging.getLogger("rlk.cuda_ffi")
 _lock = threading.Lock()
 _state: dict = {}
+# Kernels this process asked the running build for (want).
+_wanted: set = set()
 
 
 @functools.cache  # asked on every dispatch; the process's GPUs do not change
@@ -297,6 +299,20 @@ def kernel_built(transpose_a: bool, transpose_b: bool, out_f32: bool,
     return all((*layout, CONFIGS[c]) in kernels
                for c in ("cooperative_256x192", "cooperative_128x256"))
   return (*layout, CONFIGS[config]) in kernels
+
+
+def want(transpose_a: bool, transpose_b: bool, out_f32: bool,
+         config: str) -> None:
+  """Asks the running build to compile this config's kernels for this
+  layout next (once a process: a line each in the build's wanted list)."""
+  layout = (int(transpose_a), int(transpose_b), int(out_f32))
+  names = (("cooperative_256x192", "cooperative_128x256")
+           if config == "split_256x192_128x256" else (config,))
+  for name in names:
+    key = (*layout, CONFIGS[name])
+    if key not in _wanted and not kernel_built(*layout, name):
+      _wanted.add(key)
+      _build.want(layout, CONFIGS[name])
 
 
 def built_configs(transpose_a: bool, transpose_b: bool,

@@ -308,9 +308,11 @@ def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
           m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
           out_f32=out_f32)
     if config is not None and not built(config):
-      # What the whole build would run is not here yet; once the build is
-      # whole (a table naming a config it left out), the rule's choice
-      # among what it built.
+      # What the whole build would run is not here yet: the build is asked
+      # to compile it next. Once the build is whole (a config it left
+      # out), the rule's choice among what it built.
+      if not complete:
+        cuda_ffi.want(transpose_a, transpose_b, out_f32, config)
       config = cuda_ffi.chosen_config(
           m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
           out_f32=out_f32) if complete else None

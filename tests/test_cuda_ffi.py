@@ -216,7 +216,7 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   kept = None if where == "default" else objects
   library_dir = tmp_path / "cache" / "cuda_ffi" / "all"
   kernels, core = _planned_objects(objects, tmp_path, tmp_path)
-  assert len(kernels) == len(build.planned_kernels()) == 77
+  assert len(kernels) == len(build.planned_kernels()) == 59
   every = [o for pair in kernels for o in pair] + core
   assert len(every) == len(set(every))
   objects.mkdir(parents=True)
@@ -292,7 +292,7 @@ def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   assert set(order[:6]) == core
   assert order[6:8] == [stem.replace("kernels", "kernel_entry"), stem]
   # A progress line per step: done of total, elapsed, an estimate.
-  assert re.search(r"\[7/83\] \d+m\d\ds, about \d+m\d\ds left",
+  assert re.search(r"\[7/65\] \d+m\d\ds, about \d+m\d\ds left",
                    "\n".join(lines))
 
 
@@ -341,7 +341,7 @@ def test_the_first_use_builds_in_a_background_process_once(
   assert build.complete(where), pathlib.Path(log).read_text()[-3000:]
   text = pathlib.Path(log).read_text()
   assert text.count("rlk: building the cuda_ffi SM90 library") == 1
-  assert "[83/83]" in text
+  assert "[65/65]" in text
   assert build.status_line(where).startswith("built:")
 
 

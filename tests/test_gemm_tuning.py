@@ -64,6 +64,9 @@ def fake_library(monkeypatch, tmp_path):
                       lambda: times.get("built") is None)
   monkeypatch.setattr(cuda_ffi, "generation",
                       lambda: len(times.get("built") or ()))
+  monkeypatch.setattr(cuda_ffi, "want", lambda ta, tb, f32, config: calls[
+      "wanted"].append(config))
+  calls["wanted"] = []
   table_dir = tmp_path / "tables"
   table_dir.mkdir()
   monkeypatch.setattr(tuning, "TABLE_DIR", table_dir)
@@ -381,6 +384,7 @@ def test_while_the_build_runs_only_built_kernels_are_chosen(fake_library):
   times["built"] = {"pingpong_128x128"}
   assert choose(128) is None
   assert not calls["timed"]
+  assert calls["wanted"] == ["cooperative_128x192"]  # compiled next
   times["built"] = {"pingpong_128x128", "cooperative_128x192"}
   assert choose(128) == "cooperative_128x192"
   # No table entry: tuned among the built configs only.
