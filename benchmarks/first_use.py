@@ -76,13 +76,14 @@ def _child(kind: str) -> dict:
   return out
 
 
-def _build_until_done(env, interrupt_after: float | None) -> float:
+def _build_until_done(env, interrupt_after: float | None, log) -> float:
   """Runs ``python -m cuda_ffi.build`` (stopped with SIGINT after
   `interrupt_after` seconds if given); its wall seconds."""
   start = time.time()
-  proc = subprocess.Popen([sys.executable, "-m", "cuda_ffi.build"], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                          start_new_session=True)
+  with open(log, "a") as f:
+    proc = subprocess.Popen([sys.executable, "-m", "cuda_ffi.build"], env=env,
+                            stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
   try:
     proc.wait(timeout=interrupt_after)
   except subprocess.TimeoutExpired:
@@ -119,8 +120,9 @@ def main(argv) -> int:
   if "--interrupt_after" in args:
     after = float(args["--interrupt_after"])
     env = {**os.environ, "RLK_CACHE_DIR": str(out / "cache_interrupted")}
-    first = _build_until_done(env, after)
-    second = _build_until_done(env, None)
+    log = out / "interrupted_build.log"
+    first = _build_until_done(env, after, log)
+    second = _build_until_done(env, None, log)
     rows[f"build stopped by Ctrl-C at {after:.0f} s: its run"] = round(first, 1)
     rows["then the build run again to the end"] = round(second, 1)
     rows["time lost to the interruption (both runs - whole build)"] = round(
