@@ -87,7 +87,7 @@ VARIANTS = [(ta, tb, f32) for ta in (0, 1) for tb in (0, 1) for f32 in (0, 1)]
 # 288: under four minutes on 16 cores in place of 12.5. What that costs:
 # 1.0048x (000), 1.0030x (010), 1.0009x (100) the best config's time in
 # geomean over the sweeps' products, up to 1.15x on a few
-# (benchmarks/results/cpu-2026-11-27/det_gemm_build_configs/). Every config
+# (benchmarks/results/cpu-2026-11-28/det_gemm_build_configs/). Every config
 # gives the same bits, so this is speed only; the tuned tables name only
 # these, and the autotuner and the rule choose among what is built.
 # RLK_CUDA_FFI_CONFIGS=all builds every config in every layout.
@@ -526,6 +526,7 @@ class _Build:
     self.lock = threading.Lock()
     self.failures: list[str] = []
     self.core_linked = False
+    self.stopping = False
     self.started = time.monotonic()
     self.done = self.done_here = 0
     self.total = len(self.core) + len(self.kernels)
@@ -594,6 +595,12 @@ class _Build:
       what = f"det_gemm kernel {''.join(map(str, variant))} {code}"
     what += f" ({time.monotonic() - began:.1f} s)"
     with self.lock:
+      if done is not None and done.returncode < 0 or self.stopping:
+        # nvcc killed by a signal (Ctrl-C reaches the whole process group)
+        # or the build stopping: not a failure, the step is simply not done.
+        self.stopping = True
+        self.log(f"rlk cuda_ffi build: stopped ({what})")
+        return
       if done is not None and done.returncode != 0:
         self.failures.append(f"$ {' '.join(done.args)}\n"
                              f"{done.stderr[-4000:]}")
@@ -622,10 +629,14 @@ class _Build:
     try:
       self._run()
     except BaseException:
-      # A build that failed (not one stopped: its progress keeps failed 0)
-      # is not restarted by first use over and over; `python -m
-      # cuda_ffi.build` tries again.
-      if self.failures:
+      # A build that failed is not restarted by first use over and over
+      # (`python -m cuda_ffi.build` tries again); one stopped (Ctrl-C, a
+      # time limit) is: what failed meanwhile were steps the stop killed.
+      if self.stopping or not isinstance(sys.exc_info()[1], Exception):
+        self.stopping = True
+        self.failures.clear()
+        self._progress("stopped")
+      elif self.failures:
         self._progress("failed")
       raise
 
@@ -651,8 +662,9 @@ class _Build:
 
     def worker():
       # Past a failed step too: every object that compiles is kept for the
-      # next build, which then has only the failed ones to do.
-      while True:
+      # next build, which then has only the failed ones to do. Not past a
+      # stop (Ctrl-C): no step starts after it.
+      while not self.stopping:
         with self.lock:
           step = self._next(pending)
         if step is None:
@@ -660,8 +672,15 @@ class _Build:
         self._step(step)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
-      for future in [pool.submit(worker) for _ in range(self.jobs)]:
-        future.result()
+      futures = [pool.submit(worker) for _ in range(self.jobs)]
+      try:
+        for future in futures:
+          future.result()
+      except BaseException:  # KeyboardInterrupt, say: steps in flight end
+        self.stopping = True
+        raise
+    if self.stopping:
+      raise KeyboardInterrupt("cuda_ffi build stopped")
     if self.failures:
       raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(self.failures))
     if not (self.where / KERNELS_NAME).is_file():

@@ -309,7 +309,8 @@ def stand_in_toolchain(tmp_path, monkeypatch):
       "args = sys.argv[1:]\n"
       "if '--version' in args:\n"
       "  print('Cuda compilation tools, release 13.0, V13.0.0'); sys.exit()\n"
-      "time.sleep(0.01)\n"
+      "import os\n"
+      "time.sleep(float(os.environ.get('RLK_TEST_NVCC_SECONDS', '0.01')))\n"
       "open(args[args.index('-o') + 1], 'w').write('obj')\n")
   fake.chmod(0o755)
   cutlass = tmp_path / "cutlass"
@@ -343,6 +344,40 @@ def test_the_first_use_builds_in_a_background_process_once(
   assert text.count("rlk: building the cuda_ffi SM90 library") == 1
   assert "[65/65]" in text
   assert build.status_line(where).startswith("built:")
+
+
+def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
+    stand_in_toolchain, monkeypatch):
+  # `python -m cuda_ffi.build` in a process group of its own, each compile
+  # taking a second; Ctrl-C (SIGINT to the group) after three seconds. The
+  # build stops at once (no step starts after it), is not marked failed
+  # (so first use resumes it), keeps every object it finished, and the next
+  # build compiles only the rest: the time lost is the steps in flight.
+  import signal
+  monkeypatch.setenv("RLK_TEST_NVCC_SECONDS", "1")
+  where = build._library_dir()
+  command = [sys.executable, "-m", "cuda_ffi.build", "--jobs", "4"]
+  first = subprocess.Popen(command, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+  time.sleep(3)
+  os.killpg(first.pid, signal.SIGINT)
+  stopped_at = time.monotonic()
+  log, _ = first.communicate(timeout=60)
+  assert time.monotonic() - stopped_at < 5, log
+  assert first.returncode != 0, log
+  progress = build.status(where)["progress"]
+  assert progress["failed"] == 0 and progress["last"] == "stopped", progress
+  assert "stopped part-way" in build.status_line(where)
+  kept = [p for p in (where.parent / "objects").glob("*.o")]
+  assert 4 <= len(kept) < 65 + 59, log  # (kernels have an entry each)
+  second = subprocess.run(command, capture_output=True, text=True,
+                          timeout=300, env={**os.environ,
+                                            "RLK_TEST_NVCC_SECONDS": "0.01"})
+  assert second.returncode == 0, second.stdout[-3000:]
+  assert build.complete(where)
+  todo = re.search(r"(\d+) of 65 steps to do", second.stdout)
+  assert todo and int(todo.group(1)) < 65, second.stdout[:2000]
 
 
 def test_a_wheel_carries_the_prebuilt_library_and_checks_it_on_load(

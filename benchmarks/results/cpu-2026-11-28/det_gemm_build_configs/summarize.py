@@ -31,7 +31,7 @@ N_LITTLE = 7
 # What the build compiles (cuda_ffi/build.py BUILD_CONFIGS), held to a
 # whole build of under four minutes on 16 cores: the H100 device build of
 # 2026-11-28 (77 objects, benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-28/
-# first_use-*/build.log) took 41-68 s an object, but 88-108 s for the
+# first_use_77_objects-bcce52f/build.log) took 41-68 s an object, but 88-108 s for the
 # extended-atom configs (128x144/160/224/80), so those are left out and the
 # greedy order (without them) is cut at BUDGET objects in the layouts with
 # data; the f32-output layouts (linear_logp's products, large M) keep the
