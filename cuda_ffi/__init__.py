@@ -179,14 +179,19 @@ def _refresh(lib) -> None:
   _state["next_scan"] = time.monotonic() + RECHECK_S
   where = _state["where"]
   codes = set(CONFIGS.values())
-  added = False
+  # A new set, not the old one grown: readers (kernel_built, on any
+  # thread, without the lock) see the old set or the new one whole.
+  kernels = set(_state["kernels"])
   for path in _build.kernel_libraries(where):
     if path in _state["loaded"]:
       continue
-    plugin = ctypes.CDLL(str(path))
+    try:
+      plugin = ctypes.CDLL(str(path))
+    except OSError:  # removed as the build folded it into the whole one
+      continue
     for variant in _build.VARIANTS:
       for code in codes:
-        if (*variant, code) in _state["kernels"]:
+        if (*variant, code) in kernels:
           continue
         try:
           entry = getattr(plugin, _build.kernel_symbol(variant, code))
@@ -194,13 +199,13 @@ def _refresh(lib) -> None:
           continue
         entry.restype = ctypes.c_void_p
         if lib.rlk_det_gemm_sm90_add_kernel(*variant, code, entry()) == 0:
-          _state["kernels"].add((*variant, code))
-          added = True
+          kernels.add((*variant, code))
     _state["loaded"].add(path)
     _state.setdefault("plugins", []).append(plugin)  # kept loaded
-  if added:
+  if len(kernels) > len(_state["kernels"]):
+    _state["kernels"] = kernels
     _state["generation"] += 1
-  if (where / _build.KERNELS_NAME).is_file():
+  if where / _build.KERNELS_NAME in _state["loaded"]:  # (not just appeared)
     _state["complete"] = True
   elif (not os.environ.get("RLK_CUDA_FFI_LIB")
         and os.environ.get("RLK_CUDA_FFI_AUTOBUILD", "1") != "0"):

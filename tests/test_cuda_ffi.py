@@ -470,3 +470,60 @@ def test_every_source_is_part_of_the_build():
                      build.ATTENTION_SOURCE.name, build.ENTRY_SOURCE.name,
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()
+
+
+def test_kernels_are_taken_up_as_the_build_adds_them(tmp_path, monkeypatch):
+  # cuda_ffi's loader on a running build's folder (stand-in libraries: the
+  # real ones run on the device): each look hands the main library the
+  # kernels of the small libraries there, the generation moves, and the
+  # whole build's library ends it; a small library removed between the
+  # listing and the load is passed over.
+  where = tmp_path / "lib"
+  (where / build.KERNEL_DIR).mkdir(parents=True)
+  registered = []
+
+  class Library:
+    def rlk_det_gemm_sm90_add_kernel(self, ta, tb, f32, code, fn):
+      registered.append((ta, tb, f32, code))
+      return 0
+
+  class Plugin:
+    def __init__(self, path):
+      if not pathlib.Path(path).is_file():
+        raise OSError(f"{path}: cannot open shared object file")
+      for key in json.loads(pathlib.Path(path).read_text()):
+        symbol = build.kernel_symbol(key[:3], key[3])
+        setattr(self, symbol, type("Entry", (), {
+            "restype": None, "__call__": lambda self: 1234})())
+
+  def add(name, keys):
+    (where / name).write_text(json.dumps(keys))
+
+  monkeypatch.setattr(cuda_ffi.ctypes, "CDLL", Plugin)
+  monkeypatch.setattr(cuda_ffi, "_state", {})
+  monkeypatch.setattr(cuda_ffi, "RECHECK_S", 0.0)
+  monkeypatch.setenv("RLK_CUDA_FFI_AUTOBUILD", "0")  # nothing to resume
+  lib = Library()
+  cuda_ffi._state.update(lib=lib, kernels=set(), loaded=set(), generation=1,
+                         complete=False, next_scan=0.0, where=where)
+  add(f"{build.KERNEL_DIR}/det_gemm_000_1.so", [[0, 0, 0, 1]])
+  assert cuda_ffi.generation() == 2
+  assert cuda_ffi.kernel_built(False, False, False, "cooperative_128x256")
+  assert not cuda_ffi.kernel_built(False, True, False, "cooperative_128x256")
+  assert not cuda_ffi.kernel_built(False, False, False,
+                                   "split_256x192_128x256")
+  assert cuda_ffi.generation() == 2  # nothing new: the count stays
+  add(f"{build.KERNEL_DIR}/det_gemm_000_6.so", [[0, 0, 0, 6]])
+  assert cuda_ffi.generation() == 3 and not cuda_ffi.build_complete()
+  assert cuda_ffi.kernel_built(False, False, False, "split_256x192_128x256")
+  assert cuda_ffi.built_configs(False, False, False) == [
+      "cooperative_128x256", "cooperative_256x192", "split_256x192_128x256"]
+  # The whole library: every kernel once, the build complete.
+  add(build.KERNELS_NAME, [[0, 0, 0, 1], [0, 0, 0, 6], [0, 1, 0, 3]])
+  assert cuda_ffi.generation() == 4 and cuda_ffi.build_complete()
+  assert sorted(registered) == [(0, 0, 0, 1), (0, 0, 0, 6), (0, 1, 0, 3)]
+  # A small library listed but gone: passed over, no error.
+  cuda_ffi._state.update(complete=False)
+  monkeypatch.setattr(build, "kernel_libraries",
+                      lambda where: [where / "gone.so"])
+  assert cuda_ffi.generation() == 4
