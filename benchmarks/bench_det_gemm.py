@@ -159,7 +159,7 @@ def run(smoke: bool) -> list[Row]:
             may_tune=False)
         row.note += f" config {config}" + (
             f" ({cuda_ffi.split_columns(m, n)} columns 256x192)"
-            if config.startswith("split") else "")
+            if config and config.startswith("split") else "")
     rows += case_rows
     if is_big:
       g_sets = [a @ b for a in a_sets]  # cotangents shaped like the output

@@ -61,7 +61,8 @@ def _child(kind: str) -> dict:
          f"{kind}: first result on the SM90 kernels": None}
   kernel = lambda: _gemm_tuning.choose_config(
       M, N, K, transpose_a=False, transpose_b=False, out_f32=False)
-  while True:
+  deadline = time.time() + 1200  # a build that fails ends the wait
+  while time.time() < deadline:
     library = cuda_ffi.unavailable_reason("gpu", wait=False) is None
     if library and kernel() is not None and on_sm90():
       again = run()
@@ -70,7 +71,7 @@ def _child(kind: str) -> dict:
           np.array_equal(again, first))
       break
     time.sleep(0.5)
-  while not cuda_ffi.build_complete():
+  while not cuda_ffi.build_complete() and time.time() < deadline:
     time.sleep(0.5)
   out[f"{kind}: whole library loaded"] = now()
   return out

@@ -207,12 +207,17 @@ def _refresh(lib) -> None:
     _state["generation"] += 1
   if where / _build.KERNELS_NAME in _state["loaded"]:  # (not just appeared)
     _state["complete"] = True
+    # Whole now: choices made on part of the kernels are made again (a
+    # tuning redone, the C++ route's configs remembered).
+    _state["generation"] += 1
   elif (not os.environ.get("RLK_CUDA_FFI_LIB")
         and os.environ.get("RLK_CUDA_FFI_AUTOBUILD", "1") != "0"):
     try:
       _build.start_background()  # resumes a stopped build; no-op if one runs
-    except _build.BuildUnavailable:
-      pass
+    except Exception as e:  # noqa: BLE001 - the loaded kernels still run
+      if not _state.get("told_resume"):
+        _state["told_resume"] = True
+        _log.warning("rlk: the cuda_ffi build cannot resume here: %s", e)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -283,12 +288,15 @@ def unavailable_reason(platform: str, wait: bool = True) -> str | None:
   lib, reason = _load()
   if lib is None and wait:
     where = _build._library_dir()
+    waited = False
     while (where is not None and not (where / _build.LIBRARY_NAME).is_file()
            and _build.builder_running(where)):
+      waited = True
       time.sleep(0.5)
-    with _lock:
-      _state["retry_at"] = 0.0
-    lib, reason = _load()
+    if waited:
+      with _lock:
+        _state["retry_at"] = 0.0
+      lib, reason = _load()
   return reason
 
 
@@ -306,6 +314,25 @@ def kernel_built(transpose_a: bool, transpose_b: bool, out_f32: bool,
   return (*layout, CONFIGS[config]) in kernels
 
 
+def wait_until_built(log=_log.warning) -> str | None:
+  """Builds the library, or waits for the build that runs, and takes up
+  every kernel (benchmarks: timing a half-built library would time the
+  fallbacks under this implementation's name). None, or why there is no
+  library here."""
+  reason = sm90_reason()
+  if reason is not None:
+    return reason
+  try:
+    _build.build(log=log)
+  except _build.BuildUnavailable as e:
+    return str(e)
+  with _lock:
+    _state["retry_at"] = 0.0
+    _state["next_scan"] = 0.0
+  generation()
+  return unavailable_reason("gpu")
+
+
 def want(transpose_a: bool, transpose_b: bool, out_f32: bool,
          config: str) -> None:
   """Asks the running build to compile this config's kernels for this
@@ -317,7 +344,10 @@ def want(transpose_a: bool, transpose_b: bool, out_f32: bool,
     key = (*layout, CONFIGS[name])
     if key not in _wanted and not kernel_built(*layout, name):
       _wanted.add(key)
-      _build.want(layout, CONFIGS[name])
+      try:
+        _build.want(layout, CONFIGS[name])
+      except OSError:  # an unwritable folder: the build's own order then
+        pass
 
 
 def built_configs(transpose_a: bool, transpose_b: bool,

@@ -498,6 +498,10 @@ def _run_all(commands, jobs: int, log=print):
     raise RuntimeError("cuda_ffi build failed:\n" + "\n".join(failures))
 
 
+# nvcc's return codes when Ctrl-C or a termination stopped it.
+_STOP_SIGNALS = (-2, -15)
+
+
 def _minutes(seconds: float) -> str:
   seconds = int(round(seconds))
   return f"{seconds // 60}m{seconds % 60:02d}s"
@@ -595,9 +599,11 @@ class _Build:
       what = f"det_gemm kernel {''.join(map(str, variant))} {code}"
     what += f" ({time.monotonic() - began:.1f} s)"
     with self.lock:
-      if done is not None and done.returncode < 0 or self.stopping:
-        # nvcc killed by a signal (Ctrl-C reaches the whole process group)
-        # or the build stopping: not a failure, the step is simply not done.
+      if (done is not None and done.returncode in _STOP_SIGNALS
+          or self.stopping):
+        # nvcc stopped by Ctrl-C (it reaches the whole process group) or a
+        # termination, or the build stopping: not a failure, the step is
+        # simply not done. (Killed otherwise, by the OOM killer say, it is.)
         self.stopping = True
         self.log(f"rlk cuda_ffi build: stopped ({what})")
         return
@@ -628,15 +634,17 @@ class _Build:
   def run(self) -> None:
     try:
       self._run()
-    except BaseException:
+    except BaseException as e:
       # A build that failed is not restarted by first use over and over
       # (`python -m cuda_ffi.build` tries again); one stopped (Ctrl-C, a
-      # time limit) is: what failed meanwhile were steps the stop killed.
-      if self.stopping or not isinstance(sys.exc_info()[1], Exception):
+      # termination) is: what failed meanwhile were steps the stop killed.
+      if isinstance(e, (KeyboardInterrupt, SystemExit)):
         self.stopping = True
         self.failures.clear()
         self._progress("stopped")
-      elif self.failures:
+      else:
+        if not self.failures:  # (not a step's own failure: one of its own)
+          self.failures.append(f"{type(e).__name__}: {e}")
         self._progress("failed")
       raise
 
@@ -657,7 +665,11 @@ class _Build:
              f"{len(pending)} of {self.total} steps to do, {self.jobs} jobs; "
              f"a one-time cost, cached in {self.where}; a stopped build "
              f"resumes)")
-    if not pending and not (self.where / LIBRARY_NAME).is_file():
+    if (not any(kind == "core" for kind, _ in pending)
+        and not (self.where / LIBRARY_NAME).is_file()):
+      # Its objects are kept already (another key's build made them, or a
+      # stop came between the last of them and the link): linked first.
+      self.core_linked = True
       self._link(self.core, LIBRARY_NAME)
 
     def worker():
@@ -709,9 +721,13 @@ def _builder_lock(where: pathlib.Path, blocking: bool = False):
 
 
 def builder_running(where: pathlib.Path) -> bool:
-  """Whether a build of `where` runs now (in any process)."""
-  with _builder_lock(where) as mine:
-    return not mine
+  """Whether a build of `where` runs now (in any process). False where the
+  folder cannot be written (no build can run there either)."""
+  try:
+    with _builder_lock(where) as mine:
+      return not mine
+  except OSError:
+    return False
 
 
 def build(jobs: int | None = None, log=print,
@@ -736,14 +752,21 @@ def build(jobs: int | None = None, log=print,
   where = cache_dir() / build_key(nvcc, cutlass, ffi)
   objects = (pathlib.Path(objects) if objects is not None
              else where.parent / "objects")
+  tries = 0
   while not complete(where):
     with _builder_lock(where) as mine:
       if mine:
         objects.mkdir(parents=True, exist_ok=True)
         _Build(where, objects, jobs or os.cpu_count() or 1, log).run()
         break
+    tries += 1
+    if not wait and tries > 10:
+      break  # another build runs
     if not wait:
-      break
+      # (Another process may hold the lock a moment to ask whether a
+      # build runs: builder_running.)
+      time.sleep(0.3)
+      continue
     seen = None
     while builder_running(where):
       line = status_line(where)
@@ -780,6 +803,9 @@ def write_prebuilt(into: pathlib.Path, jobs: int | None = None,
   return written + [record]
 
 
+SPAWN_BACKOFF_S = 60.0
+
+
 def start_background() -> str:
   """Starts a build in a low-priority process of its own unless one runs
   or the library is whole; returns where it logs. Raises BuildUnavailable
@@ -798,6 +824,15 @@ def start_background() -> str:
     package_root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(
         [package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    # Never one spawn after another: a worker that dies before it builds
+    # (and records nothing) is not started again within SPAWN_BACKOFF_S.
+    spawned = where / ".spawned"
+    try:
+      if time.time() - spawned.stat().st_mtime < SPAWN_BACKOFF_S:
+        return str(where / LOG_NAME)
+    except FileNotFoundError:
+      pass
+    spawned.touch()
     with open(where / LOG_NAME, "a") as out:
       worker = subprocess.Popen(
           [sys.executable, "-m", "cuda_ffi.build", "--worker"],
@@ -806,8 +841,9 @@ def start_background() -> str:
     # Returns once the worker holds the build's lock (a second or two), so
     # that a caller waiting for the build (cuda_ffi.unavailable_reason)
     # never mistakes a build not yet started for no build.
+    deadline = time.monotonic() + 30
     while (worker.poll() is None and not builder_running(where)
-           and not complete(where)):
+           and not complete(where) and time.monotonic() < deadline):
       time.sleep(0.1)
   return str(where / LOG_NAME)
 
@@ -891,6 +927,11 @@ def main(argv=None) -> int:
     elif args.worker:
       os.nice(19)  # the background build: the user's own work comes first
       build(args.jobs, objects=args.objects, wait=False)
+      where = _library_dir()
+      if where is not None and not complete(where):
+        # Ended without the library and without a build's own record
+        # (another build held the lock, say): said, and not a failure.
+        print(f"rlk cuda_ffi build: worker ended: {status_line(where)}")
     else:
       print(build(args.jobs, objects=args.objects))
   except BuildUnavailable as e:

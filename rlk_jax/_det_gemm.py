@@ -111,14 +111,26 @@ def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
       m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
       out_f32=jnp.dtype(out_dtype) == jnp.float32)
   if config is None:
-    # Its kernel is still building (cuda_ffi.build): another implementation
-    # meanwhile, which gives the same bits.
-    if triton_backend.unavailable_reason("gpu") is None:
-      return _triton_matmul(a, b, transpose_a, transpose_b, out_dtype)
-    return _mosaic_gpu_matmul(a, b, transpose_a, transpose_b, out_dtype)
+    # Its kernel is still building (cuda_ffi.build): the next implementation
+    # the table would choose, which gives the same bits, meanwhile (named
+    # "cuda_ffi" too: the name picks the bits' contract, not the kernel).
+    impl = while_building(product_operands(
+        a.shape, b.shape, transpose_a, transpose_b, a.dtype, out_dtype))
+    return impl.fn(a, b, transpose_a, transpose_b, out_dtype)
   return cuda_ffi.matmul(a, b, transpose_a=transpose_a,
                          transpose_b=transpose_b, out_dtype=out_dtype,
                          config=config)
+
+
+def while_building(operands) -> _dispatch.Implementation:
+  """What runs a product whose SM90 kernel is still building: the next
+  implementation the table would choose on a GPU (the same bits)."""
+  for name in TABLE.preference["gpu"]:
+    impl = TABLE.implementations[name]
+    if (name != "cuda_ffi" and TABLE.unavailable_reason(name, "gpu") is None
+        and impl.operand_reason(operands) is None):
+      return impl
+  return TABLE.implementations["xla"]
 
 
 def _cuda_ffi_unavailable(platform):

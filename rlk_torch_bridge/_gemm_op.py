@@ -120,10 +120,12 @@ def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
         m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
         out_f32=out_f32, may_tune=not capturing)
     if config is None:
-      # Its kernel is still building (cuda_ffi.build): the Triton kernel
-      # meanwhile, which gives the same bits. (The plan is keyed by the
-      # library's generation: a later call takes the kernel once built.)
-      impl = "triton"
+      # Its kernel is still building (cuda_ffi.build): the next
+      # implementation meanwhile, which gives the same bits. (The plan is
+      # keyed by the library's generation: a later call takes the kernel.)
+      impl = _det_gemm.while_building(_det_gemm.product_operands(
+          (m, k) if not transpose_a else (k, m), b.shape, transpose_a,
+          transpose_b, jax_dtype(a.dtype), jax_dtype(out_dtype))).name
   if config is not None:
     trial = None if capturing else _in_situ.trial(
         m, n, k, transpose_a, transpose_b, out_f32, config)

@@ -119,6 +119,11 @@ def trial(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
   """This process's trial of the product whose tuned choice is `chosen`
   (the same object for every route and call site), or None where there is
   nothing to try."""
+  import cuda_ffi
+  if not cuda_ffi.build_complete():
+    # While the build still adds kernels: no trial (it would keep a choice
+    # made among part of them); the plans are made again as kernels come.
+    return None
   key = (m, n, k, transpose_a, transpose_b, out_f32)
   if key in _TRIALS:
     return _TRIALS[key]

@@ -267,6 +267,30 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   assert build.status_line(library_dir).startswith("built:")
 
 
+def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
+                                                            monkeypatch):
+  # Another key (other kernel sources, another plan) sharing the objects:
+  # the main library's objects are all kept, its kernels are not; the main
+  # library is still linked (first), and the build is whole.
+  _fake_tools(monkeypatch, tmp_path)
+  compiled = []
+
+  def nvcc(cmd, capture_output=True, text=True, check=False):
+    out = pathlib.Path(cmd[cmd.index("-o") + 1])
+    out.write_bytes(b"obj")
+    if "-shared" not in cmd:
+      compiled.append(out.name.split("-")[0])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(build.subprocess, "run", nvcc)
+  build.build(jobs=2, log=lambda *_: None)
+  monkeypatch.setattr(build, "build_key", lambda nvcc, cutlass, ffi: "other")
+  monkeypatch.setattr(build, "_kernel_commands", lambda *a: [])  # (new plan)
+  compiled.clear()
+  lib = build.build(jobs=2, log=lambda *_: None)
+  assert compiled == [] and lib.is_file() and build.complete(lib.parent)
+
+
 def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   # A process waiting for a kernel (cuda_ffi asks through build.want) gets
   # it right after the main library's objects, whatever the planned order.
@@ -519,11 +543,14 @@ def test_kernels_are_taken_up_as_the_build_adds_them(tmp_path, monkeypatch):
   assert cuda_ffi.built_configs(False, False, False) == [
       "cooperative_128x256", "cooperative_256x192", "split_256x192_128x256"]
   # The whole library: every kernel once, the build complete.
+  # The whole library: every kernel once, the build complete (the count
+  # moves for the new kernel and for the completion: choices made on part
+  # of the kernels are made again).
   add(build.KERNELS_NAME, [[0, 0, 0, 1], [0, 0, 0, 6], [0, 1, 0, 3]])
-  assert cuda_ffi.generation() == 4 and cuda_ffi.build_complete()
+  assert cuda_ffi.generation() == 5 and cuda_ffi.build_complete()
   assert sorted(registered) == [(0, 0, 0, 1), (0, 0, 0, 6), (0, 1, 0, 3)]
   # A small library listed but gone: passed over, no error.
-  cuda_ffi._state.update(complete=False)
+  cuda_ffi._state.update(complete=False, loaded=set())
   monkeypatch.setattr(build, "kernel_libraries",
                       lambda where: [where / "gone.so"])
-  assert cuda_ffi.generation() == 4
+  assert cuda_ffi.generation() == 5
