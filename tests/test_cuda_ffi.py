@@ -267,11 +267,9 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   assert build.status_line(library_dir).startswith("built:")
 
 
-def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
-                                                            monkeypatch):
-  # Another key (other kernel sources, another plan) sharing the objects:
-  # the main library's objects are all kept, its kernels are not; the main
-  # library is still linked (first), and the build is whole.
+def _compiles_recorded(monkeypatch, tmp_path) -> list:
+  """The stand-in tools, and nvcc writing each -o file: the list of the
+  objects it compiles (not links), in order."""
   _fake_tools(monkeypatch, tmp_path)
   compiled = []
 
@@ -283,6 +281,15 @@ def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
     return subprocess.CompletedProcess(cmd, 0, "", "")
 
   monkeypatch.setattr(build.subprocess, "run", nvcc)
+  return compiled
+
+
+def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
+                                                            monkeypatch):
+  # Another key (other kernel sources, another plan) sharing the objects:
+  # the main library's objects are all kept, its kernels are not; the main
+  # library is still linked (first), and the build is whole.
+  compiled = _compiles_recorded(monkeypatch, tmp_path)
   build.build(jobs=2, log=lambda *_: None)
   monkeypatch.setattr(build, "build_key", lambda nvcc, cutlass, ffi: "other")
   monkeypatch.setattr(build, "_kernel_commands", lambda *a: [])  # (new plan)
@@ -294,17 +301,7 @@ def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
 def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   # A process waiting for a kernel (cuda_ffi asks through build.want) gets
   # it right after the main library's objects, whatever the planned order.
-  _fake_tools(monkeypatch, tmp_path)
-  order = []
-
-  def nvcc(cmd, capture_output=True, text=True, check=False):
-    out = pathlib.Path(cmd[cmd.index("-o") + 1])
-    out.write_bytes(b"obj")
-    if "-shared" not in cmd:
-      order.append(out.name.split("-")[0])
-    return subprocess.CompletedProcess(cmd, 0, "", "")
-
-  monkeypatch.setattr(build.subprocess, "run", nvcc)
+  order = _compiles_recorded(monkeypatch, tmp_path)
   last_variant, last_name = build.planned_kernels()[-1]
   code = build.kernel_configs()[last_name]
   build.want(last_variant, code)
