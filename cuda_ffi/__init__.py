@@ -178,7 +178,6 @@ def _refresh(lib) -> None:
     return
   _state["next_scan"] = time.monotonic() + RECHECK_S
   where = _state["where"]
-  codes = set(CONFIGS.values())
   # A new set, not the old one grown: readers (kernel_built, on any
   # thread, without the lock) see the old set or the new one whole.
   kernels = set(_state["kernels"])
@@ -189,17 +188,16 @@ def _refresh(lib) -> None:
       plugin = ctypes.CDLL(str(path))
     except OSError:  # removed as the build folded it into the whole one
       continue
-    for variant in _build.VARIANTS:
-      for code in codes:
-        if (*variant, code) in kernels:
-          continue
-        try:
-          entry = getattr(plugin, _build.kernel_symbol(variant, code))
-        except AttributeError:
-          continue
-        entry.restype = ctypes.c_void_p
-        if lib.rlk_det_gemm_sm90_add_kernel(*variant, code, entry()) == 0:
-          kernels.add((*variant, code))
+    for variant, code in _build.kernels_in(path):
+      if (*variant, code) in kernels:
+        continue
+      try:
+        entry = getattr(plugin, _build.kernel_symbol(variant, code))
+      except AttributeError:
+        continue
+      entry.restype = ctypes.c_void_p
+      if lib.rlk_det_gemm_sm90_add_kernel(*variant, code, entry()) == 0:
+        kernels.add((*variant, code))
     _state["loaded"].add(path)
     _state.setdefault("plugins", []).append(plugin)  # kept loaded
   if len(kernels) > len(_state["kernels"]):
@@ -308,10 +306,14 @@ def kernel_built(transpose_a: bool, transpose_b: bool, out_f32: bool,
   layout = (int(transpose_a), int(transpose_b), int(out_f32))
   if config == "auto":
     return any(k[:3] == layout for k in kernels)
+  return all((*layout, CONFIGS[c]) in kernels for c in kernel_parts(config))
+
+
+def kernel_parts(config: str) -> tuple[str, ...]:
+  """The one-kernel configs a config runs: the split's two, else itself."""
   if config == "split_256x192_128x256":
-    return all((*layout, CONFIGS[c]) in kernels
-               for c in ("cooperative_256x192", "cooperative_128x256"))
-  return (*layout, CONFIGS[config]) in kernels
+    return ("cooperative_256x192", "cooperative_128x256")
+  return (config,)
 
 
 def wait_until_built(log=_log.warning) -> str | None:
@@ -338,9 +340,7 @@ def want(transpose_a: bool, transpose_b: bool, out_f32: bool,
   """Asks the running build to compile this config's kernels for this
   layout next (once a process: a line each in the build's wanted list)."""
   layout = (int(transpose_a), int(transpose_b), int(out_f32))
-  names = (("cooperative_256x192", "cooperative_128x256")
-           if config == "split_256x192_128x256" else (config,))
-  for name in names:
+  for name in kernel_parts(config):
     key = (*layout, CONFIGS[name])
     if key not in _wanted and not kernel_built(*layout, name):
       _wanted.add(key)

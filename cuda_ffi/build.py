@@ -308,9 +308,11 @@ def planned_configs(variant) -> list[str]:
   from cuda_ffi import CONFIGS
   codes = {kernel_configs()[name] for v, name in planned_kernels()
            if v == tuple(variant)}
+  from cuda_ffi import kernel_parts
   names = [c for c, code in CONFIGS.items() if code in codes]
-  if {"cooperative_256x192", "cooperative_128x256"} <= set(names):
-    names.append("split_256x192_128x256")
+  split = "split_256x192_128x256"
+  if set(kernel_parts(split)) <= set(names):
+    names.append(split)
   return names
 
 
@@ -385,6 +387,16 @@ def kernel_libraries(where: pathlib.Path) -> list[pathlib.Path]:
   if whole.is_file():
     return [whole]
   return sorted((where / KERNEL_DIR).glob("det_gemm_*.so"))
+
+
+def kernels_in(library: pathlib.Path) -> list[tuple[tuple[int, int, int], int]]:
+  """``(layout, config code)`` of the kernels a kernel library may hold:
+  one kernel's, read off its name (det_gemm_<layout>_<code>.so), or any
+  (the whole build's library, whatever plan built it)."""
+  match = re.fullmatch(r"det_gemm_([01])([01])([01])_(\d+)\.so", library.name)
+  if match:
+    return [(tuple(map(int, match.groups()[:3])), int(match[4]))]
+  return [(v, code) for v in VARIANTS for code in kernel_configs().values()]
 
 
 def kernel_symbol(variant, code: int) -> str:

@@ -125,12 +125,7 @@ def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
 def while_building(operands) -> _dispatch.Implementation:
   """What runs a product whose SM90 kernel is still building: the next
   implementation the table would choose on a GPU (the same bits)."""
-  for name in TABLE.preference["gpu"]:
-    impl = TABLE.implementations[name]
-    if (name != "cuda_ffi" and TABLE.unavailable_reason(name, "gpu") is None
-        and impl.operand_reason(operands) is None):
-      return impl
-  return TABLE.implementations["xla"]
+  return TABLE.select(None, "gpu", operands, passing_over=("cuda_ffi",))
 
 
 def _cuda_ffi_unavailable(platform):

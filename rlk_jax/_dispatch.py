@@ -52,11 +52,13 @@ class OpTable:
     return self.implementations[name].probe(platform)
 
   def select(self, implementation: str | None, platform: str | None = None,
-             operands: tuple | None = None) -> Implementation:
+             operands: tuple | None = None,
+             passing_over: tuple = ()) -> Implementation:
     """The implementation a call runs. `operands` (the op's own description
     of this call) lets an implementation that takes only some shapes or
     dtypes decline: ``None`` then moves on to the next preference, a named
-    one raises with the reason."""
+    one raises with the reason. `passing_over`: names ``None`` does not
+    consider (the next choice after them)."""
     platform = platform or current_platform()
     if implementation is not None:
       if implementation not in self.implementations:
@@ -75,7 +77,8 @@ class OpTable:
                          f"{implementation!r} cannot take these operands: "
                          f"{reason}")
       return chosen
-    order = self.preference.get(platform, self.default_preference)
+    order = [name for name in self.preference.get(
+        platform, self.default_preference) if name not in passing_over]
     for name in order:
       if (self.unavailable_reason(name, platform) is None
           and self.implementations[name].operand_reason(operands) is None):
