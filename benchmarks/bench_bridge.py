@@ -35,6 +35,8 @@ def run(smoke: bool) -> list[Row]:
 
 def _jax_ms(fn, *args):
   jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*args))  # compile
+  harness.tune_traced_products()
   return harness.time_batches(
       lambda it: jax.block_until_ready([jitted(*args) for _ in range(max(it, 1))]),
       iters=50)

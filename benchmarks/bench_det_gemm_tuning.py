@@ -16,8 +16,10 @@ off, so each shape is new. Rows (``median_ms`` is the cost):
   forward and backward of a new shape (its C++ route chooses the forward,
   dA and dB configs together) less the same call once chosen;
   ``jax_jit``: the first call of a jitted ``value_and_grad`` over
-  ``rlk_jax.det_gemm`` (trace, tuning, compile, run) less the same for a
-  second function of the same shapes, whose choices are kept. Each route
+  ``rlk_jax.det_gemm`` (trace, compile, run; since 2026-11-28 no tuning
+  inside a trace: the table's or the rule's configs) less the same for a
+  second function of the same shapes traced after
+  ``rlk_jax.det_gemm_tune_pending()`` (whose time the note gives). Each route
   starts on an empty tuner of its own (before 2026-11-24 the JAX case ran
   after the torch one on the same tuner and so measured no tuning).
 * ``cached lookup``: what a call pays for the kept choice. The torch
@@ -171,12 +173,17 @@ def _jax_first_use(m, k, n) -> Row:
     step = jax.jit(jax.value_and_grad(lambda a, b: loss(a, b), (0, 1)))
     return _seconds(lambda: jax.block_until_ready(step(a, b)))
 
-  first, kept = first_call(), first_call()
+  first = first_call()
+  start = time.perf_counter()
+  tuned = rlk_jax.det_gemm_tune_pending()
+  tuning = time.perf_counter() - start
+  kept = first_call()
   return harness.progress(Row(
       BENCH, f"first use fwd+bwd M={m} K={k} N={n}", "jax_jit",
       (first - kept) * 1e3, note=f"first call {first * 1e3:.1f} ms, a "
       f"second function of the same shapes {kept * 1e3:.1f} ms (trace and "
-      "compile, choices kept)"))
+      f"compile, choices kept); det_gemm_tune_pending between them (outside "
+      f"any trace): {tuned} products in {tuning * 1e3:.0f} ms"))
 
 
 def _lookup_rows(calls: int = 2000) -> list[Row]:

@@ -212,6 +212,8 @@ def _donated_batch(step, x, layers):
   batch starts from a fresh copy of `x`, so values stay bounded."""
   jitted = jax.jit(step, donate_argnums=0)
   jax.block_until_ready(jitted(x + 0, layers))  # compile
+  if harness.tune_traced_products():
+    jax.block_until_ready(jitted(x + 0, layers))
 
   def batch(n):
     state = x + 0

@@ -113,6 +113,8 @@ def _sampler_rows(cfg, graphdef, state) -> list[Row]:
                       max_prompt_length=prompt, return_logprobs=True)
       jax.block_until_ready(out.logprobs)
     run(1)  # compile
+    if harness.tune_traced_products():
+      run(1)
     return run, 1
   rows = harness.interleaved_rows(
       BENCH, f"Tunix Sampler B={b} prompt {prompt} new {new}",

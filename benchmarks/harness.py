@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import jax
 from absl import flags
 
+import rlk_jax
+
 SMOKE = flags.DEFINE_bool(
     "smoke", None, "Tiny CPU-friendly sizes. Default: on when no GPU is present.")
 CSV = flags.DEFINE_string("csv", None, "Append result rows to this CSV file.")
@@ -153,6 +155,18 @@ def time_batches(run_batch: Callable[[int], None], *, iters: int,
                           warmup=warmup)[""]
 
 
+def tune_traced_products() -> bool:
+  """Tunes the det_gemm products first met in the traces just made (no
+  tuning runs inside a trace: they ran the table's or the rule's configs)
+  and, where there were any, drops jit's traces (it keeps them, a jitted
+  `fn`'s own included), so the next call traces again and runs the tuned
+  configs, as a user's later traces would. True where it did."""
+  if not rlk_jax.det_gemm_tune_pending():
+    return False
+  jax.clear_caches()
+  return True
+
+
 def jax_batch(fn: Callable, arg_sets: Sequence[tuple],
               outputs: list | None = None):
   """`(run_batch, calls)` for time_interleaved: one jitted call runs `fn` on
@@ -163,6 +177,8 @@ def jax_batch(fn: Callable, arg_sets: Sequence[tuple],
   result per arg set (checking bits costs no compile of its own)."""
   many = jax.jit(lambda sets: [fn(*s) for s in sets])
   first = jax.block_until_ready(many(list(arg_sets)))  # compile
+  if tune_traced_products():
+    first = jax.block_until_ready(many(list(arg_sets)))
   if outputs is not None:
     outputs.extend(first)
 

@@ -125,6 +125,24 @@ BUILD_CONFIGS = {
     **{v: _F32_CONFIGS for v in ((0, 0, 1), (0, 1, 1), (1, 0, 1))},
     **{v: _RARE_CONFIGS for v in ((1, 1, 0), (1, 1, 1))},
 }
+# Seconds one kernel object took nvcc on the H100 machine's 16 busy cores
+# (the mean over the layouts of the builds in benchmarks/results/
+# nvidia-h100-80gb-hbm3-2026-11-28/first_use*/build.log): the build's order
+# only, never its content.
+COMPILE_SECONDS = {
+    "kCooperative128x256": 61.8, "kCooperative256x192": 60.8,
+    "kCooperative128x256Cluster1x2": 60.7, "kCooperative128x192": 60.3,
+    "kPingpong128x96Cluster2x4": 59.9, "kCooperative128x96": 59.8,
+    "kPingpong192x128Cluster2x1": 58.0, "kPingpong64x128Cluster4x2": 57.7,
+    "kCooperative256x128": 56.7, "kCooperative128x128": 55.6,
+    "kCooperative128x320K32": 55.4, "kPingpong64x256": 55.1,
+    "kPingpong64x128Cluster2x1": 54.9, "kPingpong192x96Cluster2x1": 54.5,
+    "kCooperative128x128Cluster1x1": 54.0, "kPingpong128x128": 52.9,
+    "kPingpong64x32": 52.5, "kPingpong128x128Cluster1x2": 52.4,
+    "kPingpong64x128": 52.4, "kPingpong64x64Cluster2x1": 51.6,
+    "kPingpong64x64": 51.5, "kSwapPingpong64x32": 50.1,
+    "kPingpong64x64Cluster1x2": 49.2,
+}
 # The order layouts take their turns in (round robin, so every layout soon
 # has a kernel): the forward and backward layouts first.
 _LAYOUT_ORDER = ((0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1), (0, 1, 1),
@@ -284,10 +302,11 @@ def _kept_objects(commands, nvcc: str, cutlass: pathlib.Path,
 
 def planned_kernels() -> list[tuple[tuple[int, int, int], str]]:
   """``(layout, header config name)`` of every kernel object the build
-  makes, in the order it compiles them: the layouts take turns, each
-  giving its most useful config not yet taken (BUILD_CONFIGS), so every
-  layout has its first kernels early. RLK_CUDA_FFI_CONFIGS=all: every
-  config in every layout."""
+  makes, in the order it compiles them: each layout's most useful config
+  (BUILD_CONFIGS' first), so every layout has a kernel early, then the
+  rest longest to compile first (the wanted kernels go before all of
+  them: _Build._next). RLK_CUDA_FFI_CONFIGS=all: every config in every
+  layout."""
   from cuda_ffi import CONFIGS  # the names the tuned tables use
   configs = kernel_configs()
   by_code = {code: name for name, code in configs.items()}
@@ -296,10 +315,18 @@ def planned_kernels() -> list[tuple[tuple[int, int, int], str]]:
   if os.environ.get("RLK_CUDA_FFI_CONFIGS", "") == "all":
     return [(v, name) for v in VARIANTS for name in configs]
   lists = {v: [by_snake[c] for c in BUILD_CONFIGS[v]] for v in _LAYOUT_ORDER}
-  out = []
-  for rank in range(max(map(len, lists.values()))):
-    out += [(v, lists[v][rank]) for v in _LAYOUT_ORDER if rank < len(lists[v])]
-  return out
+  first = [(v, lists[v][0]) for v in _LAYOUT_ORDER]
+  rest = []
+  for rank in range(1, max(map(len, lists.values()))):
+    rest += [(v, lists[v][rank]) for v in _LAYOUT_ORDER
+             if rank < len(lists[v])]
+  # After each layout's first kernel, the longest to compile first: ~60
+  # steps of 50-62 s on 16 cores end in a last, part-filled wave, and
+  # leaving the short steps to it ends the build ~5 s sooner (a list
+  # schedule simulated on the H100 build's own step times).
+  typical = sum(COMPILE_SECONDS.values()) / len(COMPILE_SECONDS)
+  rest.sort(key=lambda step: -COMPILE_SECONDS.get(step[1], typical))
+  return first + rest
 
 
 def planned_configs(variant) -> list[str]:

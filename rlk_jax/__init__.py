@@ -25,6 +25,7 @@ _EXPORTS = {
     "pack_sharded": "rlk_jax._pack_sharded",
     "unpack_sharded": "rlk_jax._pack_sharded",
     "det_gemm": "rlk_jax._det_gemm",
+    "det_gemm_tune_pending": "rlk_jax._det_gemm",
     "det_attention": "rlk_jax._attention",
     "batch_invariant": "rlk_jax._batch_invariant",
     "batch_invariant_sampler": "rlk_jax._tunix_sampler",

@@ -104,12 +104,17 @@ def _mosaic_gpu_unavailable(platform):
 
 def _cuda_ffi_matmul(a, b, transpose_a, transpose_b, out_dtype):
   # The kernel config is a speed choice (every config gives the same bits),
-  # made when the call is traced: measured on first use, then cached.
+  # made when the call is traced. Measured on first use only outside a
+  # trace: a jit trace runs while earlier steps may still hold the card, and
+  # a trace should cost no GPU time; a traced product takes the table's or
+  # the rule's config and is tuned at the next untraced call
+  # (_gemm_tuning.tune_pending).
   m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
                              a.dtype, out_dtype)[:3]
+  traced = any(isinstance(x, jax.core.Tracer) for x in (a, b))
   config = _gemm_tuning.choose_config(
       m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-      out_f32=jnp.dtype(out_dtype) == jnp.float32)
+      out_f32=jnp.dtype(out_dtype) == jnp.float32, may_tune=not traced)
   if config is None:
     # Its kernel is still building (cuda_ffi.build): the next implementation
     # the table would choose, which gives the same bits, meanwhile (named
@@ -241,6 +246,21 @@ class GemmPlan:
   m: int
   n: int
   k: int
+
+
+def det_gemm_tune_pending() -> int:
+  """Tunes the SM90 kernel config of the products first met inside a
+  ``jax.jit`` trace (which never measures: they ran the shipped table's
+  nearest M bucket or the analytic rule), and returns how many. A trace
+  made after it takes the tuned configs; bits do not change (every config
+  gives the same bits). An untraced det_gemm call does this itself.
+
+      step = jax.jit(train_step)
+      state = step(state, batch)          # traced: no tuning in the trace
+      if rlk_jax.det_gemm_tune_pending(): # outside any trace
+        jax.clear_caches()                # jit keeps its traces: trace again
+  """
+  return _gemm_tuning.tune_pending()
 
 
 def plan(a, b, *, out_dtype=None, implementation: str | None = None,

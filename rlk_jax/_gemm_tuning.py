@@ -17,8 +17,10 @@ on this device comes from, in order:
    synchronized), then its fastest few again on a card held at its power
    cap, as a user's step runs them; the fastest of those goes to the
    on-disk cache. Only where
-   allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is not
-   recording a CUDA graph, the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
+   allowed: ``RLK_DET_GEMM_AUTOTUNE`` is not ``0``, the caller is neither
+   recording a CUDA graph nor tracing a ``jax.jit`` (such a product takes
+   5. or 6. and is tuned at the next call that may measure, or by
+   :func:`tune_pending`), the operands fit ``RLK_DET_GEMM_TUNE_MAX_MB``
    (default 2048) and the product is at most ``RLK_DET_GEMM_TUNE_MAX_TFLOP``
    (default 1.0: the screen runs each candidate about five times, about
    0.25-0.3 s per TFLOP of the product on the H100; the sustained stage
@@ -84,6 +86,10 @@ _memo: dict[tuple, str] = {}
 _memo_generation = [0]
 # Products whose tuning failed in this process (no memory, say): not retried.
 _untunable: set[tuple] = set()
+# Products first met where no measuring is allowed (a jit trace, a CUDA-graph
+# capture), by memo key: tuned at the next call that may measure, or by
+# tune_pending().
+_pending: dict[tuple, tuple] = {}
 
 
 def m_bucket(m: int) -> int:
@@ -282,6 +288,8 @@ def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
   device = device or _device_name()
   key = product_key(m, n, k, transpose_a, transpose_b, out_f32)
   memo_key = (device, key)
+  if may_tune and _pending:
+    tune_pending()
   generation = cuda_ffi.generation()
   complete = cuda_ffi.build_complete()
   built = functools.partial(cuda_ffi.kernel_built, transpose_a, transpose_b,
@@ -300,9 +308,12 @@ def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
         and _tunable(memo_key, m, n, k, out_f32)):
       config = None  # tuned while the build ran: tuned again, on all
     config = config or table.exact(key)
-    if config is None and may_tune and _tunable(memo_key, m, n, k, out_f32):
-      config = _tune(cache, key, memo_key, m, n, k, transpose_a, transpose_b,
-                     out_f32, complete)
+    if config is None and _tunable(memo_key, m, n, k, out_f32):
+      if may_tune:
+        config = _tune(cache, key, memo_key, m, n, k, transpose_a,
+                       transpose_b, out_f32, complete)
+      else:
+        _pending[memo_key] = (m, n, k, transpose_a, transpose_b, out_f32)
     if config is None:
       config = table.nearest(key) or cuda_ffi.chosen_config(
           m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
@@ -320,6 +331,24 @@ def choose_config(m: int, n: int, k: int, *, transpose_a: bool,
       return config  # not kept: a later kernel, or a measurement, may move it
     _memo[memo_key] = config
     return config
+
+
+def tune_pending() -> int:
+  """Tunes the products first met where nothing may be measured (traced by
+  `jax.jit`, recorded into a CUDA graph), which ran the shipped table's
+  nearest bucket or the analytic rule meanwhile; returns how many were
+  tuned. Later traces and plans take the tuned choice (the same bits: a
+  speed choice only). The first call allowed to measure (an untraced
+  det_gemm, the torch bridge's eager call) runs this itself; a JAX program
+  that only ever runs jitted calls it between its first step and the rest
+  (``rlk_jax.det_gemm_tune_pending()``), then traces again."""
+  with _lock:
+    pending = list(_pending.items())
+    _pending.clear()
+  for (device, _), (m, n, k, transpose_a, transpose_b, out_f32) in pending:
+    choose_config(m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+                  out_f32=out_f32, device=device)
+  return len(pending)
 
 
 def _tuned_on_part(entry: dict | None) -> bool:
@@ -492,5 +521,6 @@ def clear_memo() -> None:
   with _lock:
     _memo.clear()
     _untunable.clear()
+    _pending.clear()
     _disk_cache.cache_clear()
     _shipped.cache_clear()

@@ -298,6 +298,22 @@ def test_a_new_key_links_its_main_library_from_kept_objects(tmp_path,
   assert compiled == [] and lib.is_file() and build.complete(lib.parent)
 
 
+def test_planned_order_first_kernel_per_layout_then_longest_first():
+  plan = build.planned_kernels()
+  by_code = {code: name for name, code in build.kernel_configs().items()}
+  from cuda_ffi import CONFIGS
+  layouts = len(build.BUILD_CONFIGS)
+  assert [(v, CONFIGS[build.BUILD_CONFIGS[v][0]]) for v, _ in plan[:layouts]
+          ] == [(v, build.kernel_configs()[n]) for v, n in plan[:layouts]]
+  assert {v for v, _ in plan[:layouts]} == set(build.BUILD_CONFIGS)
+  seconds = [build.COMPILE_SECONDS[name] for _, name in plan[layouts:]]
+  assert seconds == sorted(seconds, reverse=True)
+  assert sorted((v, CONFIGS[c]) for v, cs in build.BUILD_CONFIGS.items()
+                for c in cs) == sorted((v, build.kernel_configs()[n])
+                                       for v, n in plan)
+  assert set(build.COMPILE_SECONDS) <= set(by_code.values())
+
+
 def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   # A process waiting for a kernel (cuda_ffi asks through build.want) gets
   # it right after the main library's objects, whatever the planned order.

@@ -192,6 +192,45 @@ def test_no_tuning_inside_a_capture_and_no_memo_of_the_fallback(fake_library):
   assert len(calls["timed"]) == 1
 
 
+def test_products_met_unmeasured_are_tuned_at_the_next_call_that_may(
+    fake_library):
+  # A jit trace or a CUDA-graph capture never measures: its products are
+  # kept, and tuned when a call outside any trace comes (or when asked).
+  calls, _, _ = fake_library
+  assert choose(1000, may_tune=False) == "pingpong_64x128"
+  assert choose(3000, n=1024, may_tune=False) == "pingpong_64x128"
+  assert calls["timed"] == []
+  choose(50, n=2048)  # another product, untraced: the two are tuned first
+  assert calls["timed"] == [(1000, 4096, 4096, False, False, False),
+                            (3000, 1024, 4096, False, False, False),
+                            (50, 2048, 4096, False, False, False)]
+  # the next trace takes the tuned choice, without measuring again
+  assert choose(1000, may_tune=False) == tuning.CANDIDATES[0]
+  assert tuning.tune_pending() == 0 and len(calls["timed"]) == 3
+  choose(5000, may_tune=False)
+  assert tuning.tune_pending() == 1 and len(calls["timed"]) == 4
+
+
+def test_a_jit_trace_never_measures(fake_library, monkeypatch):
+  import jax
+  import jax.numpy as jnp
+  from rlk_jax import _det_gemm
+  seen = []
+
+  def choose_config(m, n, k, *, may_tune=True, **_):
+    seen.append(may_tune)
+    return "pingpong_64x128"
+
+  monkeypatch.setattr(tuning, "choose_config", choose_config)
+  monkeypatch.setattr(cuda_ffi, "matmul", lambda a, b, **_: a @ b)
+  a, b = jnp.ones((3, 8), jnp.bfloat16), jnp.ones((8, 5), jnp.bfloat16)
+  run = lambda a, b: _det_gemm._cuda_ffi_matmul(a, b, False, False,
+                                                jnp.bfloat16)
+  jax.jit(run)(a, b)
+  run(a, b)
+  assert seen == [False, True]
+
+
 def test_switch_off_and_memory_limit(fake_library, monkeypatch):
   calls, _, _ = fake_library
   monkeypatch.setenv("RLK_DET_GEMM_AUTOTUNE", "0")
