@@ -77,19 +77,20 @@ VARIANTS = [(ta, tb, f32) for ta in (0, 1) for tb in (0, 1) for f32 in (0, 1)]
 
 # The configs the build compiles in each layout, most useful first: a greedy
 # cover of 3213 products timed on every config (H100 and H200 sweeps), cut
-# at 18, 18 and 10 objects in the layouts a model's forward and backward
-# use (000 JAX's forward and torch's dA, 010 torch's forward and JAX's dA,
-# 100 both dW); three large-product configs in the f32-output layouts
-# (linear_logp's logits and gradient accumulators) and two generalists in
+# at 18, 16 and 6 objects in the layouts a model's forward and backward use
+# (000 JAX's forward and torch's dA, 010 torch's forward and JAX's dA, 100
+# both dW); two large-product configs in the f32-output layouts
+# (linear_logp's logits and gradient accumulators) and one generalist in
 # the two rare ones (a transposed A times a transposed B). The extended-atom
 # configs (128x144/160/224/80) are left out: they compiled in 88-108 s, the
-# others in 41-68 s (H100 device build, 2026-11-28). 59 objects in place of
-# 288: under four minutes on 16 cores in place of 12.5. What that costs:
-# 1.0048x (000), 1.0030x (010), 1.0009x (100) the best config's time in
-# geomean over the sweeps' products, up to 1.15x on a few
-# (benchmarks/results/cpu-2026-11-28/det_gemm_build_configs/). Every config
-# gives the same bits, so this is speed only; the tuned tables name only
-# these, and the autotuner and the rule choose among what is built.
+# others in 41-70 s. 48 objects, three waves of 16 nvcc steps (a step takes
+# 60-70 s when 16 run at once: a build of 59 run alone took 259 s, four
+# waves; H100 device builds of 2026-11-28), in place of 288 (12.5 min).
+# What that costs: 1.0048x (000), 1.0045x (010), 1.0061x (100) the best
+# config's time in geomean over the sweeps' products, up to 1.12-1.17x on a
+# few (benchmarks/results/cpu-2026-11-28/det_gemm_build_configs/). Every
+# config gives the same bits, so this is speed only; the tuned tables name
+# only these, and the autotuner and the rule choose among what is built.
 # RLK_CUDA_FFI_CONFIGS=all builds every config in every layout.
 _DATA_LAYOUT_CONFIGS = {
     (0, 0, 0): ("cooperative_256x192", "cooperative_128x256",
@@ -109,17 +110,13 @@ _DATA_LAYOUT_CONFIGS = {
                 "pingpong_64x64", "pingpong_128x96_cluster_2x4",
                 "cooperative_128x320_k32", "pingpong_64x128_cluster_2x1",
                 "cooperative_256x128", "pingpong_192x128_cluster_2x1",
-                "cooperative_128x128", "cooperative_128x128_cluster_1x1",
-                "pingpong_64x32"),
+                "cooperative_128x128"),
     (1, 0, 0): ("cooperative_256x192", "cooperative_128x256",
                 "pingpong_128x128", "cooperative_128x192",
-                "pingpong_128x128_cluster_1x2", "cooperative_128x128",
-                "cooperative_128x256_cluster_1x2", "pingpong_64x128",
-                "pingpong_64x256", "pingpong_64x128_cluster_4x2"),
+                "pingpong_128x128_cluster_1x2", "cooperative_128x128"),
 }
-_F32_CONFIGS = ("cooperative_256x192", "cooperative_128x256",
-                "pingpong_128x128")
-_RARE_CONFIGS = ("cooperative_128x256", "swap_pingpong_64x32")
+_F32_CONFIGS = ("cooperative_256x192", "cooperative_128x256")
+_RARE_CONFIGS = ("cooperative_128x256",)
 BUILD_CONFIGS = {
     **_DATA_LAYOUT_CONFIGS,
     **{v: _F32_CONFIGS for v in ((0, 0, 1), (0, 1, 1), (1, 0, 1))},
@@ -143,8 +140,8 @@ COMPILE_SECONDS = {
     "kPingpong64x64": 51.5, "kSwapPingpong64x32": 50.1,
     "kPingpong64x64Cluster1x2": 49.2,
 }
-# The order layouts take their turns in (round robin, so every layout soon
-# has a kernel): the forward and backward layouts first.
+# The order layouts take their first kernels in: the forward and backward
+# layouts first.
 _LAYOUT_ORDER = ((0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1), (0, 1, 1),
                  (1, 0, 1), (1, 1, 0), (1, 1, 1))
 

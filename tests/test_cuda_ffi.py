@@ -216,7 +216,7 @@ def test_build_resumes_from_kept_objects_and_never_links_a_partial_one(
   kept = None if where == "default" else objects
   library_dir = tmp_path / "cache" / "cuda_ffi" / "all"
   kernels, core = _planned_objects(objects, tmp_path, tmp_path)
-  assert len(kernels) == len(build.planned_kernels()) == 59
+  assert len(kernels) == len(build.planned_kernels()) == 48
   every = [o for pair in kernels for o in pair] + core
   assert len(every) == len(set(every))
   objects.mkdir(parents=True)
@@ -329,7 +329,7 @@ def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   assert set(order[:6]) == core
   assert order[6:8] == [stem.replace("kernels", "kernel_entry"), stem]
   # A progress line per step: done of total, elapsed, an estimate.
-  assert re.search(r"\[7/65\] \d+m\d\ds, about \d+m\d\ds left",
+  assert re.search(r"\[7/54\] \d+m\d\ds, about \d+m\d\ds left",
                    "\n".join(lines))
 
 
@@ -379,7 +379,7 @@ def test_the_first_use_builds_in_a_background_process_once(
   assert build.complete(where), pathlib.Path(log).read_text()[-3000:]
   text = pathlib.Path(log).read_text()
   assert text.count("rlk: building the cuda_ffi SM90 library") == 1
-  assert "[65/65]" in text
+  assert "[54/54]" in text
   assert build.status_line(where).startswith("built:")
 
 
@@ -407,14 +407,14 @@ def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
   assert progress["failed"] == 0 and progress["last"] == "stopped", progress
   assert "stopped part-way" in build.status_line(where)
   kept = [p for p in (where.parent / "objects").glob("*.o")]
-  assert 4 <= len(kept) < 65 + 59, log  # (kernels have an entry each)
+  assert 4 <= len(kept) < 54 + 48, log  # (kernels have an entry each)
   second = subprocess.run(command, capture_output=True, text=True,
                           timeout=300, env={**os.environ,
                                             "RLK_TEST_NVCC_SECONDS": "0.01"})
   assert second.returncode == 0, second.stdout[-3000:]
   assert build.complete(where)
-  todo = re.search(r"(\d+) of 65 steps to do", second.stdout)
-  assert todo and int(todo.group(1)) < 65, second.stdout[:2000]
+  todo = re.search(r"(\d+) of 54 steps to do", second.stdout)
+  assert todo and int(todo.group(1)) < 54, second.stdout[:2000]
 
 
 def test_a_wheel_carries_the_prebuilt_library_and_checks_it_on_load(
