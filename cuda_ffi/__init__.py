@@ -352,9 +352,13 @@ def want(transpose_a: bool, transpose_b: bool, out_f32: bool,
 
 def built_configs(transpose_a: bool, transpose_b: bool,
                   out_f32: bool) -> list[str]:
-  """The configs the loaded library can run in this layout (CONFIGS'
-  order; the split where both of its kernels are built; "auto" not
-  included)."""
+  """The configs the library can run in this layout (CONFIGS' order; the
+  split where both of its kernels are built; "auto" not included). A
+  library already built is loaded first (a fresh process asking before
+  its first product got [] on the device, 2026-11-28); none is built for
+  the asking."""
+  if _state.get("lib") is None and _build.library_path() is not None:
+    _load()
   return [c for c in CONFIGS if c != "auto"
           and kernel_built(transpose_a, transpose_b, out_f32, c)]
 

@@ -509,6 +509,21 @@ def test_every_source_is_part_of_the_build():
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()
 
 
+def test_built_configs_loads_a_built_library_but_never_builds(monkeypatch):
+  # Asked before any product in a fresh process, the answer is the built
+  # library's, not the empty set of one not yet loaded.
+  loads = []
+  monkeypatch.setattr(cuda_ffi, "_state", {})
+  monkeypatch.setattr(cuda_ffi, "_load", lambda: loads.append(1) or (
+      cuda_ffi._state.update(lib=object(), kernels={(0, 0, 0, 1)}), None))
+  monkeypatch.setattr(build, "library_path", lambda: None)
+  assert cuda_ffi.built_configs(False, False, False) == [] and not loads
+  monkeypatch.setattr(build, "library_path", lambda: pathlib.Path("/x.so"))
+  assert cuda_ffi.built_configs(False, False, False) == [
+      "cooperative_128x256"]
+  assert cuda_ffi.built_configs(False, False, False) and loads == [1]
+
+
 def test_kernels_are_taken_up_as_the_build_adds_them(tmp_path, monkeypatch):
   # cuda_ffi's loader on a running build's folder (stand-in libraries: the
   # real ones run on the device): each look hands the main library the

@@ -94,10 +94,13 @@ def test_first_use_tunes_caches_and_keeps_bits(fresh_cache, rng):
   b = random_array(rng, (k, n), jnp.bfloat16)
   got = jax.jit(lambda a, b: rlk_jax.det_gemm(a, b, implementation="cuda_ffi"))(a, b)
   key = tuning.product_key(m, n, k, False, False, False)
+  # never inside the jit trace: tuned once asked, outside it
+  assert key not in _entries()
+  assert rlk_jax.det_gemm_tune_pending() >= 1
   entry = _entries()[key]
   assert entry["config"] == tuning.pick(entry["sustained_ms"])
   assert set(entry["ms"]) == set(cuda_ffi.built_configs(False, False, False))
-  # the gradient's products were tuned in their own layouts
+  # the gradient's products (untraced: eager) were tuned in their own layouts
   jax.grad(lambda a, b: rlk_jax.det_gemm(a, b, implementation="cuda_ffi")
            .astype(jnp.float32).sum(), argnums=(0, 1))(a, b)
   assert tuning.product_key(m, k, n, False, True, False) in _entries()
