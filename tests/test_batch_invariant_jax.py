@@ -430,8 +430,14 @@ def test_divisions_are_true_divisions_at_every_shape(shape, rng):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
   got = jax.grad(lambda y: jnp.sum(rlk_jax.batch_invariant(
       lambda x, y: x / jnp.sqrt(y))(x, y)))(y)
-  want = np.sum(-0.5 * x / (y.astype(np.float64) ** 1.5), -1, keepdims=True)
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-6
+  terms = -0.5 * x / (y.astype(np.float64) ** 1.5)
+  want = np.sum(terms, -1, keepdims=True)
+  # An f32 sum of n terms errs by up to about n ulps of the sum of their
+  # magnitudes, which a sum that cancels (random signs) can dwarf: the
+  # bound is relative to that, not to the sum (a 64-term row failed 1e-6
+  # of its sum by 2.3x, 2026-11-28).
+  bound = shape[-1] * 2.0**-23 * np.sum(np.abs(terms), -1, keepdims=True)
+  assert np.all(np.abs(got - want) <= bound), (got, want, bound)
 
 
 @pytest.mark.parametrize("shape", [(8, 2, 2, 12, 12), (8, 4, 12, 16)])
