@@ -50,13 +50,15 @@ def check_case(case, impl):
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=30, **_SETTINGS)
+# Each example compiles afresh (~3 s on CI's cores); test_pack.py's grids
+# cover the dtypes, tails and edges case by case.
+@settings(max_examples=20, **_SETTINGS)
 @given(packing_case())
 def test_xla_matches_numpy(case):
   check_case(case, "xla")
 
 
-@settings(max_examples=15, **_SETTINGS)
+@settings(max_examples=10, **_SETTINGS)
 @given(packing_case())
 def test_pallas_matches_numpy(case):
   check_case(case, "pallas")
