@@ -7,14 +7,18 @@ batch's.
 
     python -m benchmarks.bench_models_jax [--smoke]
 
-Competitors (stable names): ``xla`` (the function jitted as written) and
+Competitors (stable names): ``xla`` (the function jitted as written),
 ``rlk`` (``jax.jit(rlk_jax.batch_invariant(fn))``; the sampler through
-``rlk_jax.batch_invariant_sampler``). Needs flax, jaxtyping,
+``rlk_jax.batch_invariant_sampler``) and, for the training step,
+``rlk_in_grad`` (``jax.grad(rlk_jax.batch_invariant(loss))``: attention on
+det_attention both ways). Needs flax, jaxtyping,
 sentencepiece and google-tunix (the test extra; carry their wheels to a
 device image without them).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +35,7 @@ BENCH = "models_jax"
 def _config(smoke: bool) -> dict:
   if smoke:
     return dict(model=dict(num_layers=1, vocab_size=256, embed_dim=64,
-                           hidden_dim=128, num_heads=2, head_dim=32,
+                           hidden_dim=128, num_heads=2, head_dim=64,
                            num_kv_heads=1),
                 train=(2, 16), forward=(2, 16), generate=(2, 8, 3),
                 invariance=16, iters=1)
@@ -68,8 +72,8 @@ def _functions(graphdef):
     lp = logp(state, tokens[:, :-1])
     return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1))
 
-  def train_step(state, tokens):
-    grads = jax.grad(loss)(state, tokens)
+  def train_step(state, tokens, transform=lambda f: f):
+    grads = jax.grad(transform(loss))(state, tokens)
     return jax.tree.map(lambda w, g: w - (1e-4 * g).astype(w.dtype), state,
                         grads)
   return logp, train_step
@@ -80,10 +84,12 @@ def _tokens(cfg, b, t, seed):
                             cfg["model"]["vocab_size"])
 
 
-def _jitted_rows(case, fn, args, iters, flops=None) -> list[Row]:
+def _jitted_rows(case, fn, args, iters, flops=None, **more) -> list[Row]:
   comps = {"xla": lambda: harness.jax_batch(fn, [args]),
            "rlk": lambda: harness.jax_batch(rlk_jax.batch_invariant(fn),
                                             [args])}
+  comps.update({name: functools.partial(harness.jax_batch, f, [args])
+                for name, f in more.items()})
   return harness.interleaved_rows(BENCH, case, comps, iters=iters,
                                   flops=flops)
 
@@ -156,9 +162,14 @@ def run(smoke: bool) -> list[Row]:
                        (state, _tokens(cfg, b, t, 2)), cfg["iters"],
                        flops=2.0 * b * t * params)
   b, t = cfg["train"]
-  rows += _jitted_rows(f"train step {b}x{t}", train_step,
-                       (state, _tokens(cfg, b, t + 1, 1)), cfg["iters"],
-                       flops=6.0 * b * t * params)
+  # rlk: the whole step transformed (its backward traced by JAX, then
+  # rewritten: attention's stays on products); rlk_in_grad: the loss
+  # transformed inside grad (det_attention forward and backward).
+  rows += _jitted_rows(
+      f"train step {b}x{t}", train_step, (state, _tokens(cfg, b, t + 1, 1)),
+      cfg["iters"], flops=6.0 * b * t * params,
+      rlk_in_grad=functools.partial(train_step,
+                                    transform=rlk_jax.batch_invariant))
   rows += _sampler_rows(cfg, graphdef, state)
   return rows
 

@@ -13,7 +13,11 @@ One call, three layouts (chosen by the arguments):
   right padding);
 * KV cache: ``q [B, n, Hq, D]`` (the n newest tokens of each sequence)
   against ``k, v [B, S_cache, Hkv, D]`` with ``kv_lens [B]`` valid keys
-  (the n new ones included) from ``kv_start [B]`` (default 0).
+  (the n new ones included) from ``kv_start [B]`` (default 0);
+* masked: ``q [B, n, Hq, D]`` against ``k, v [B, S, Hkv, D]`` with a dense
+  ``attn_mask [B, n, S]`` (True: the row sees the key), as a model builds
+  it for a prefill, a training forward or a decode step against a cache;
+  read back into sequences on the device (``_masked_seqs``).
 
 Every layout reduces to one description, ``seqs = [q_start, q_len, k_start,
 k_len]`` per sequence over flattened rows, which both the kernels and the
@@ -245,9 +249,18 @@ def _attention_fwd(impl, settings, q, k, v, seqs):
 def _attention_bwd(impl, settings, residuals, cotangents):
   q, k, v, seqs, out, lse = residuals
   g, _ = cotangents  # lse is returned for inspection, not differentiated
-  dq, dk, dv = TABLE.implementations[impl].fn[1](
-      q, k, v, seqs, settings, out, lse, g.astype(q.dtype))
+  dq, dk, dv = rlk_attention_backward(impl, settings, q, k, v, seqs, out, lse,
+                                      g.astype(q.dtype))
   return dq, dk, dv, None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def rlk_attention_backward(impl, settings, q, k, v, seqs, out, lse, g):
+  """The backward as one named call: ``batch_invariant`` binds a jit named
+  ``rlk_...`` whole when it rewrites a traced backward, so these bits stay
+  the kernels' own."""
+  return TABLE.implementations[impl].fn[1](q, k, v, seqs, settings, out, lse,
+                                           g)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -326,6 +339,53 @@ def _cache_seqs(b: int, n: int, s_cache: int, kv_lens, kv_start):
                     kv_lens])
 
 
+def _masked_seqs(mask, segments: int):
+  """Sequences of a dense ``[B, n, S]`` mask, at most `segments` a batch
+  row, and whether each batch row's mask is the one they imply.
+
+  A causal row sees its own slot last, so the rows' slots lie on one line,
+  ``slot = c + row``, fixed by the first row that sees the furthest key
+  (rows after it that see no further, right padding, are not on it). A row
+  is a token iff it sees its slot; consecutive tokens that see from the
+  same first key are one sequence, its keys from that first key to the
+  last row's slot. Rows that are not tokens (padding) may see anything:
+  their output is 0. A token that sees other keys than its sequence's
+  causal run, or a sequence past `segments`, marks its batch row as not
+  fitting (its rows come back NaN). All of it per batch row: no row's
+  sequence depends on another batch row, so the bits do not either."""
+  b, n, s = mask.shape
+  rows = jnp.arange(n, dtype=jnp.int32)
+  cols = jnp.arange(s, dtype=jnp.int32)
+  sees = jnp.any(mask, axis=-1)
+  first = jnp.argmax(mask, axis=-1).astype(jnp.int32)
+  last = jnp.where(sees, s - 1 - jnp.argmax(mask[..., ::-1], axis=-1), -1)
+  anchor = jnp.argmax(last, axis=-1)                    # first furthest row
+  c = jnp.take_along_axis(last, anchor[:, None], 1) - anchor[:, None]
+  slot = c + rows[None]                                 # [B, n]
+  at_slot = jnp.take_along_axis(mask, jnp.clip(slot, 0, s - 1)[..., None],
+                                -1)[..., 0]
+  token = (slot >= 0) & (slot < s) & at_slot
+  prev_token = jnp.pad(token[:, :-1], ((0, 0), (1, 0)))
+  prev_first = jnp.pad(first[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  starts = token & ~(prev_token & (prev_first == first))
+  run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
+  want = (token[..., None] & (cols >= first[..., None])
+          & (cols <= slot[..., None]))
+  fits = ~jnp.any(token[..., None] & (mask != want), axis=(1, 2))
+  fits &= ~jnp.any(token & (run >= segments), axis=1)
+  cols_of = []
+  for r in range(segments):
+    member = token & (run == r)
+    q_len = jnp.sum(member, axis=1, dtype=jnp.int32)
+    i0 = jnp.argmax(member, axis=1).astype(jnp.int32)
+    key0 = jnp.take_along_axis(first, i0[:, None], 1)[:, 0]
+    k_len = jnp.where(q_len > 0, c[:, 0] + i0 + q_len - key0, 0)
+    base = jnp.arange(b, dtype=jnp.int32)
+    cols_of.append(jnp.stack([base * n + i0, q_len, base * s + key0, k_len]))
+  seqs = jnp.stack(cols_of, axis=-1).reshape(4, b * segments)
+  return seqs.astype(jnp.int32), fits
+
+
 def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
   """(query heads per forward program, key chunks run in parallel). Both
   change no bit: rows are independent, and parallel chunks fold as one
@@ -334,10 +394,12 @@ def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
   time (and it runs the split kernels, whose tiles suit few rows, even for
   one chunk). A power-of-two group packs into one program's rows (its
   cache read once) when there is work enough to fill the GPU without."""
-  if layout != "kv cache":
-    return 1, 0
   block_m, _, fold = _blocks(q_shape[-1])
   b, n, s_cache, hkv = q_shape[0], q_shape[1], k_shape[1], k_shape[2]
+  # A masked call of a few rows against more keys is a cache step.
+  if layout != "kv cache" and not (layout == "masked" and n < s_cache
+                                   and n * group <= block_m):
+    return 1, 0
   chunks = -(-s_cache // fold)
   hpt = 1
   if (group & (group - 1) == 0 and n * group <= block_m
@@ -346,11 +408,18 @@ def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
   return hpt, chunks
 
 
-def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start):
+def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start,
+              attn_mask=None):
   """(layout name, cu_seqlens) from which layout arguments a call gives."""
-  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens)) > 1:
+  if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens,
+                                 attn_mask)) > 1:
     raise ValueError("det_attention: give at most one of cu_seqlens, info, "
-                     "mask and kv_lens (they name the layout)")
+                     "mask, kv_lens and attn_mask (they name the layout)")
+  if attn_mask is not None:
+    if q_ndim != 4:
+      raise ValueError("det_attention: attn_mask goes with [B, n, H, D] "
+                       "queries against [B, S, H, D] keys")
+    return "masked", None
   if kv_start is not None and kv_lens is None:
     raise ValueError("det_attention: kv_start needs kv_lens (the KV-cache "
                      "layout)")
@@ -398,10 +467,10 @@ def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
   if hkv == 0 or hq % hkv:
     raise ValueError(f"det_attention: {hq} query heads are not a multiple of "
                      f"{hkv} KV heads")
-  if layout != "kv cache" and k_shape[:lead] != q_shape[:lead]:
+  if layout not in ("kv cache", "masked") and k_shape[:lead] != q_shape[:lead]:
     raise ValueError(f"det_attention ({layout}): q {q_shape} and k {k_shape} "
                      "must have the same tokens")
-  if layout == "kv cache" and k_shape[0] != q_shape[0]:
+  if layout in ("kv cache", "masked") and k_shape[0] != q_shape[0]:
     raise ValueError(f"det_attention: q {q_shape} and the cache {k_shape} "
                      "must have the same batch")
   if sliding_window is not None and sliding_window < 1:
@@ -412,7 +481,8 @@ def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
 
 
 def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
-                  kv_lens=None, kv_start=None, scale: float | None = None,
+                  kv_lens=None, kv_start=None, attn_mask=None,
+                  segments_per_row: int = 1, scale: float | None = None,
                   causal: bool = True, sliding_window: int | None = None,
                   softcap: float | None = None, return_lse: bool = False,
                   implementation: str | None = None):
@@ -433,6 +503,12 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
     sliding_window: W: a query at position p sees keys above p - W
       (Mistral's, Gemma 2/3's local layers).
     softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+    attn_mask: bool ``[B, n, S]`` (or broadcastable to it): the masked
+      layout. Each batch row's mask must be causal runs cut by padding: a
+      token (a row that sees its own slot) sees its sequence's keys up to
+      its slot; up to `segments_per_row` sequences a batch row (a pack).
+      Rows that are not tokens give 0; a batch row whose mask is anything
+      else gives NaN rows (a sliding window is not read from a mask).
     return_lse: also return the f32 log-sum-exp per row and head, shaped
       like q without its last axis (what the backward uses).
 
@@ -443,7 +519,7 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   """
   q, k, v = (jnp.asarray(x) for x in (q, k, v))
   layout, cu_seqlens = layout_of(q.ndim, cu_seqlens, info, mask, kv_lens,
-                                 kv_start)
+                                 kv_start, attn_mask)
   check_operands(q.shape, k.shape, v.shape,
                  tuple(str(x.dtype) for x in (q, k, v)), layout,
                  causal=causal, sliding_window=sliding_window, softcap=softcap)
@@ -460,6 +536,21 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
     seqs, contiguous = _padded_seqs(b, s, mask)
     if contiguous is not None:
       bad_rows = jnp.repeat(~contiguous, s)
+  elif layout == "masked":
+    b, n = q.shape[:2]
+    s_k = k.shape[1]
+    attn_mask = jnp.asarray(attn_mask)
+    if attn_mask.dtype != jnp.bool_ or attn_mask.ndim > 3 or not all(
+        m in (1, w) for m, w in zip(attn_mask.shape[::-1], (s_k, n, b))):
+      raise ValueError(f"det_attention: attn_mask must be bool [B, n, S] = "
+                       f"[{b}, {n}, {s_k}] (or broadcast to it), got "
+                       f"{attn_mask.dtype} {attn_mask.shape}")
+    if int(segments_per_row) < 1:
+      raise ValueError(f"det_attention: segments_per_row must be >= 1, got "
+                       f"{segments_per_row}")
+    seqs, fits = _masked_seqs(jnp.broadcast_to(attn_mask, (b, n, s_k)),
+                              int(segments_per_row))
+    bad_rows = jnp.repeat(~fits, n)
   else:
     b, n = q.shape[:2]
     seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)

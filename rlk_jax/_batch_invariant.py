@@ -67,24 +67,42 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from rlk_jax import reference
+from rlk_jax import _attention, _attention_pattern, reference
 from rlk_jax._det_gemm import GEMM_DTYPES, det_gemm
 
 __all__ = ["batch_invariant"]
 
 
-def batch_invariant(fn, *, implementation: str | None = None):
+def batch_invariant(fn, *, implementation: str | None = None,
+                    attention: str = "det_attention",
+                    attention_segments: int = 1):
   """``fn`` with its products on det_gemm and its last-axis sums on rlk's
-  row sum (module docstring). `implementation` pins det_gemm's (pin one
-  in both rollout and training). The result has ``.report(*args,
-  **kwargs)``: what this transformation left alone for those arguments,
-  as ``{description: count}``."""
-  rules = _Rules(implementation)
+  row sum (module docstring). `implementation` pins det_gemm's (and
+  det_attention's, where it has one of that name; pin one in both rollout
+  and training).
+
+  `attention`: ``"det_attention"`` runs each softmax attention it
+  recognises (``_attention_pattern``: bf16/f16, head dim 64, 128 or 256,
+  a mask) on det_attention's masked layout, whose mask must be causal
+  runs cut by padding, up to `attention_segments` sequences a batch row (a
+  pack); rows of a batch row whose mask is anything else (a sliding
+  window, a bidirectional prefix) come back NaN. ``"products"`` leaves
+  attention to the rules for its products and sums (any mask).
+
+  The result has ``.report(*args, **kwargs)``: what this transformation
+  left alone for those arguments, as ``{description: count}``, and
+  ``.attentions(*args, **kwargs)``: how many attentions run on
+  det_attention."""
+  if attention not in ("det_attention", "products"):
+    raise ValueError(f"batch_invariant: attention must be 'det_attention' or "
+                     f"'products', got {attention!r}")
+  rules = _Rules(implementation, attention == "det_attention",
+                 int(attention_segments))
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     closed, flat, out_tree = _trace(fn, args, kwargs)
-    out = rules.eval(closed.jaxpr, closed.consts, flat)
+    out = _rewritten_both_ways(rules, closed)(*flat)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
   def report(*args, **kwargs) -> dict[str, int]:
@@ -93,8 +111,57 @@ def batch_invariant(fn, *, implementation: str | None = None):
     _survey(closed.jaxpr, left)
     return dict(left)
 
+  def attentions(*args, **kwargs) -> int:
+    closed, _, _ = _trace(fn, args, kwargs)
+    return rules.attentions(closed.jaxpr, closed.consts)
+
   wrapped.report = report
+  wrapped.attentions = attentions
   return wrapped
+
+
+def _rewritten_both_ways(rules, closed):
+  """The rewritten jaxpr as a function whose reverse-mode derivative is
+  rewritten too. Differentiated from outside (``jax.grad(batch_invariant(
+  f))``), JAX's own transposes would otherwise run the backward: the sums
+  autodiff adds (a norm's statistic broadcast over a row transposes to a
+  sum over the row) on XLA's reductions. So the backward is JAX's VJP of
+  the rewritten forward (det_gemm's and det_attention's own backward
+  kernels inside it), traced and evaluated under the same rules.
+  Forward-mode derivatives were never available (det_gemm and
+  det_attention are ``custom_vjp`` functions)."""
+
+  def run(*leaves):
+    return rules.eval(closed.jaxpr, closed.consts, leaves)
+
+  differentiable = jax.custom_vjp(run)
+
+  def forward(*leaves):
+    out, vjp = jax.vjp(run, *leaves)
+    return out, (vjp, tuple(_is_float(jax.typeof(x)) for x in leaves),
+                 tuple(jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o))
+                       for o in out))
+
+  def backward(saved, cts):
+    vjp, float_in, out_types = saved
+    residuals, tree = jax.tree_util.tree_flatten(vjp)
+    float_out = [_is_float(t) for t in out_types]
+
+    def transpose(residuals, float_cts):
+      it = iter(float_cts)
+      cts = [next(it) if f else np.zeros(t.shape, jax.dtypes.float0)
+             for f, t in zip(float_out, out_types)]
+      grads = jax.tree_util.tree_unflatten(tree, residuals)(cts)
+      return [g for g, f in zip(grads, float_in) if f]
+
+    float_cts = [c for c, f in zip(cts, float_out) if f]
+    back = jax.make_jaxpr(transpose)(residuals, float_cts)
+    grads = iter(rules.eval(back.jaxpr, back.consts,
+                            [*residuals, *float_cts]))
+    return tuple(next(grads) if f else None for f in float_in)
+
+  differentiable.defvjp(forward, backward)
+  return differentiable
 
 
 def _trace(fn, args, kwargs):
@@ -167,8 +234,21 @@ def _scatter_takes(eqn) -> str | None:
           f"index ({d})")
 
 
+def _own_kernel(eqn) -> bool:
+  """Whether `eqn` calls one of rlk's own kernel functions (a jit named
+  ``rlk_...``: det_attention's backward): bound whole, never rewritten. Their
+  bits are the kernels' contract; rewriting their CPU reference would
+  change it (an ordered scatter-add sums over every row of the call, not
+  each sequence's own)."""
+  return (eqn.primitive.name in _attention_pattern.CALLS
+          and str(eqn.params.get("name", "")).startswith("rlk_"))
+
+
 def _subjaxprs(eqn):
-  """The jaxprs (open) inside a higher-order equation."""
+  """The jaxprs (open) inside a higher-order equation (none for rlk's own
+  kernels, which are not looked into)."""
+  if _own_kernel(eqn):
+    return []
   out = []
   for value in eqn.params.values():
     for v in (value if isinstance(value, (tuple, list)) else (value,)):
@@ -240,6 +320,27 @@ def _divide(x, y, dtype):
           jnp.broadcast_to(y, shape)))
 
 
+_PRECISION = {jnp.dtype(jnp.bfloat16): (8, 7), jnp.dtype(jnp.float16): (5, 10)}
+
+
+def _rounded_on_cpu(x):
+  """`x` (a rewritten product's 2-byte float result) fenced on CPU so its
+  consumers read it rounded. XLA:CPU computes 2-byte floats in f32 and,
+  allowed excess precision (its default), drops a ``convert`` to bf16 and
+  back where its passes meet the pair, which they did for a det_gemm
+  result in one batch and not in another (Tunix's Llama 3 in bf16: every
+  row of a batch of 8 differed from the row alone). A ``reduce_precision``
+  of the f32 value is no pair to drop. Other platforms are left as they
+  are (a pass over the product's output)."""
+  bits = _PRECISION.get(jnp.dtype(x.dtype))
+  if bits is None:
+    return x
+  return jax.lax.platform_dependent(
+      x, default=lambda y: y,
+      cpu=lambda y: jax.lax.reduce_precision(
+          y.astype(jnp.float32), *bits).astype(y.dtype))
+
+
 def _needs_rewrite(jaxpr) -> bool:
   """Whether anything in `jaxpr` (or below it) is rewritten."""
   return any(_rewritten(eqn) or any(_needs_rewrite(j) for j in _subjaxprs(eqn))
@@ -284,8 +385,36 @@ _INLINED = ("custom_jvp_call",)
 
 class _Rules:
 
-  def __init__(self, implementation):
+  def __init__(self, implementation, attention: bool = False,
+               segments: int = 1):
     self.implementation = implementation
+    self.attention = attention
+    self.segments = segments
+
+  def _attention_matches(self, jaxpr, consts):
+    """(jaxpr, consts, matches): with its jit calls inlined where attention
+    is looked for (a mask's ``jnp.where`` is a call of its own)."""
+    if not self.attention:
+      return jaxpr, consts, {}
+    if any(e.primitive.name in _attention_pattern.CALLS for e in jaxpr.eqns):
+      jaxpr, consts = _inlined(jaxpr, consts)
+    return jaxpr, consts, _attention_pattern.find(
+        jaxpr, _attention.HEAD_DIMS, ("bfloat16", "float16"))
+
+  def attentions(self, jaxpr, consts) -> int:
+    jaxpr, _, matches = self._attention_matches(jaxpr, consts)
+    replaced = set().union(*(m.replaced for m in matches.values()))
+    return len(matches) + sum(
+        self.attentions(j, ()) for i, e in enumerate(jaxpr.eqns)
+        if i not in replaced for j in _subjaxprs(e))
+
+  def _attend(self, q, k, v, mask, scale):
+    impl = self.implementation
+    if impl not in _attention.TABLE.implementations:
+      impl = None
+    return _attention.det_attention(
+        q, k, v, attn_mask=mask, scale=scale,
+        segments_per_row=self.segments, implementation=impl)
 
   def eval(self, jaxpr, consts, args):
     env = {}
@@ -293,11 +422,22 @@ class _Rules:
     def read(v):
       return v.val if isinstance(v, jex.Literal) else env[v]
 
+    jaxpr, consts, matches = self._attention_matches(jaxpr, consts)
+    replaced = set().union(*(m.replaced for m in matches.values()))
     for var, val in zip(jaxpr.constvars, consts):
       env[var] = val
     for var, val in zip(jaxpr.invars, args):
       env[var] = val
-    for eqn in jaxpr.eqns:
+    for index, eqn in enumerate(jaxpr.eqns):
+      if index in matches:
+        m = matches[index]
+        env[eqn.outvars[0]] = _rounded_on_cpu(_attention_pattern.evaluate(
+            m, read(m.q), read(m.k), read(m.v),
+            [read(spec.source) for spec in m.masks], eqn.outvars[0].aval,
+            self._attend))
+        continue
+      if index in replaced:
+        continue
       invals = [read(v) for v in eqn.invars]
       outvals = self._equation(eqn, invals)
       if not eqn.primitive.multiple_results:
@@ -312,7 +452,7 @@ class _Rules:
   def _equation(self, eqn, invals):
     rewrite = _rewritten(eqn)
     if rewrite == "dot":
-      return self._dot(eqn, *invals)
+      return _rounded_on_cpu(self._dot(eqn, *invals))
     if rewrite == "row_sum":
       return reference.row_sum(invals[0]).astype(eqn.outvars[0].aval.dtype)
     if rewrite == "scatter_add":
@@ -417,6 +557,43 @@ class _Rules:
         lambda br, *ops: self._closed(br, ops), br)
                 for br in eqn.params["branches"]]
     return jax.lax.switch(index, branches, *operands)
+
+
+def _inlined(jaxpr, consts):
+  """`jaxpr` retraced with its jit calls (and theirs) inlined: the same
+  computation, one level, so a pattern that crosses a call is seen whole."""
+
+  def run(*args):
+    return _eval_inlining(jaxpr, consts, args)
+
+  closed = jax.make_jaxpr(run)(*(
+      jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                           weak_type=getattr(v.aval, "weak_type", False))
+      for v in jaxpr.invars))
+  return closed.jaxpr, closed.consts
+
+
+def _eval_inlining(jaxpr, consts, args):
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive.name in _attention_pattern.CALLS and not _own_kernel(eqn):
+      body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      outs = (_eval_inlining(body, (), invals) if isinstance(body, jex.Jaxpr)
+              else _eval_inlining(body.jaxpr, body.consts, invals))
+    else:
+      params = eqn.primitive.get_bind_params(eqn.params)
+      subfuns = ()
+      if isinstance(params, tuple):
+        subfuns, params = params
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*subfuns, *invals, **params)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
 
 
 # The most output elements (all batch pairs) a batched product computes

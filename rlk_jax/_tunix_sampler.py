@@ -32,12 +32,13 @@ _STEPS = ("_prefill_fn", "_decode_fn", "_compiled_prefill_fn",
           "_compiled_decode_fn")
 
 
-def batch_invariant_sampler(sampler, *, implementation: str | None = None):
+def batch_invariant_sampler(sampler, *, implementation: str | None = None,
+                            attention: str = "det_attention"):
   """Make a ``tunix.generate.sampler.Sampler``'s steps batch-invariant, in
   place, and return it: a prompt's tokens and log-probs do not depend on
   the other prompts of its batch, and equal the trainer's recomputation
-  under ``batch_invariant`` bit for bit. `implementation` pins det_gemm's
-  (pin the same one for the trainer)."""
+  under ``batch_invariant`` bit for bit. `implementation` and `attention`
+  are ``batch_invariant``'s (give the trainer the same)."""
   missing = [name for name in _STEPS if not hasattr(sampler, name)]
   if missing:
     raise TypeError(
@@ -50,14 +51,15 @@ def batch_invariant_sampler(sampler, *, implementation: str | None = None):
     # `echo` decides the traced program (Tunix's jit has it static), so it
     # is bound before the transformation traces the rest.
     step = functools.partial(prefill_fn, echo=echo)
-    return batch_invariant(step, implementation=implementation)(
-        params, state, images)
+    return batch_invariant(step, implementation=implementation,
+                           attention=attention)(params, state, images)
 
   # Donating the sampling state (argument 1) as Tunix does: its KV cache
   # is updated in place.
   sampler._compiled_prefill_fn = jax.jit(prefill, donate_argnums=(1,),
                                          static_argnames=("echo",))
   sampler._compiled_decode_fn = jax.jit(
-      batch_invariant(decode_fn, implementation=implementation),
+      batch_invariant(decode_fn, implementation=implementation,
+                      attention=attention),
       donate_argnums=(1,))
   return sampler
