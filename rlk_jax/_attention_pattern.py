@@ -206,10 +206,9 @@ def _softmax_end(graph, x):
     if eqn.primitive.name == "custom_jvp_call":
       body = eqn.params["call_jaxpr"]
       body = body.jaxpr if isinstance(body, jex.ClosedJaxpr) else body
-      if (len(eqn.invars) == 1 and len(eqn.outvars) == 1
-          and _softmax_end(_Graph(body), body.invars[0]) is not None
-          and _softmax_end(_Graph(body), body.invars[0])[0]
-          is body.outvars[0]):
+      inner = (_softmax_end(_Graph(body), body.invars[0])
+               if len(eqn.invars) == 1 and len(eqn.outvars) == 1 else None)
+      if inner is not None and inner[0] is body.outvars[0]:
         return eqn.outvars[0], {users[0]}
       return None
   last = x.aval.ndim - 1

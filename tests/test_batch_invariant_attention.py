@@ -31,6 +31,26 @@ def _einsum_attention(q, k, v, mask, scale=0.125):
   return jnp.einsum("BHGTS,BSHD->BTHGD", p, v).reshape(b, t, hq, d)
 
 
+@jax.custom_jvp
+def _softmax_with_own_rule(x):
+  e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, -1, keepdims=True)))
+  return e / jnp.sum(e, -1, keepdims=True)
+
+
+@_softmax_with_own_rule.defjvp
+def _softmax_jvp(primals, tangents):
+  y = _softmax_with_own_rule(primals[0])
+  return y, y * (tangents[0] - jnp.sum(y * tangents[0], -1, keepdims=True))
+
+
+def _custom_jvp_softmax_attention(q, k, v, mask, scale=0.125):
+  """Multi-head (no GQA), the softmax a custom_jvp function of its own."""
+  k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+  s = jnp.einsum("BTHD,BSHD->BHTS", q, k).astype(jnp.float32) * scale
+  p = _softmax_with_own_rule(jnp.where(mask[:, None], s, -jnp.inf))
+  return jnp.einsum("BHTS,BSHD->BTHD", p.astype(v.dtype), v)
+
+
 def _nn_attention(q, k, v, mask, scale=0.125):
   return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                       scale=scale, implementation="xla")
@@ -60,7 +80,8 @@ def _valid(length, starts, ends):
                                                                           None])
 
 
-@pytest.mark.parametrize("attention", [_einsum_attention, _nn_attention])
+@pytest.mark.parametrize("attention", [_einsum_attention, _nn_attention,
+                                       _custom_jvp_softmax_attention])
 def test_recognised_attention_is_det_attention_on_the_masks_sequences(
     attention, rng):
   q, k, v = _operands(rng, 3, 40)

@@ -128,6 +128,36 @@ def test_rows_alone_equal_their_batch(family, route):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_rows_in_a_pack_equal_their_sequences_alone(family):
+  # Three sequences and two spare slots in one row: positions restart at
+  # each sequence, the mask is block-diagonal causal; det_attention reads
+  # it back into three sequences (attention_segments=3).
+  graphdef, state = _model(family)
+  trainer, _ = _functions(graphdef)
+  lengths, spare = (5, 9, 4), 2
+  seg = np.concatenate([np.repeat(np.arange(len(lengths)), lengths),
+                        np.full(spare, -1)])
+  total = seg.size
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (1, total), 0, VOCAB)
+  positions = np.concatenate([np.arange(n) for n in lengths]
+                             + [np.zeros(spare, int)])[None]
+  mask = ((seg[:, None] == seg[None]) & (seg[None] >= 0)
+          & np.tril(np.ones((total, total), bool)))[None]
+  packed = jax.jit(rlk_jax.batch_invariant(trainer, attention_segments=3))
+  got = np.asarray(packed(state, tokens, jnp.asarray(positions),
+                          jnp.asarray(mask)))
+  alone = jax.jit(rlk_jax.batch_invariant(trainer))
+  start = 0
+  for n in lengths:
+    sl = slice(start, start + n)
+    want = np.asarray(alone(state, tokens[:, sl], jnp.arange(n)[None],
+                            jnp.tril(jnp.ones((n, n), bool))[None]))
+    np.testing.assert_array_equal(got[0, sl].view(np.uint32),
+                                  want[0].view(np.uint32))
+    start += n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("route", ROUTES[:1] if not ON_GPU else ROUTES)
 def test_rollout_logprobs_equal_the_trainers(family, route):
   # Greedy decoding against Tunix's KV cache, ragged left-padded prompts;
