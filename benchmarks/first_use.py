@@ -84,7 +84,11 @@ def _build_until_done(env, interrupt_after: float | None, log) -> float:
   with open(log, "a") as f:
     proc = subprocess.Popen([sys.executable, "-m", "cuda_ffi.build"], env=env,
                             stdout=f, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # as a terminal's Ctrl-C finds it, even where
+                            # this process runs with SIGINT ignored
+                            preexec_fn=lambda: signal.signal(
+                                signal.SIGINT, signal.SIG_DFL))
   try:
     proc.wait(timeout=interrupt_after)
   except subprocess.TimeoutExpired:

@@ -722,12 +722,6 @@ class _Build:
     with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
       futures = [pool.submit(worker) for _ in range(self.jobs)]
       try:
-        # Waited on in short slices: a Ctrl-C the kernel hands to a worker
-        # thread leaves the main thread asleep on the futures, and Python
-        # runs the handler only when the main thread wakes (in CI, loaded,
-        # a build went on for 25 s past the signal).
-        while not all(f.done() for f in futures):
-          concurrent.futures.wait(futures, timeout=0.2)
         for future in futures:
           future.result()
       except BaseException:  # KeyboardInterrupt, say: steps in flight end

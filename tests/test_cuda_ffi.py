@@ -396,9 +396,13 @@ def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
   monkeypatch.setenv("RLK_TEST_NVCC_SECONDS", "1")
   where = build._library_dir()
   command = [sys.executable, "-m", "cuda_ffi.build", "--jobs", "4"]
-  first = subprocess.Popen(command, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+  # SIGINT as a terminal gives it: the pytest worker may run with SIGINT
+  # ignored, which a child inherits (CI: the build and its compiles went on
+  # past the signal, 2026-11-28).
+  first = subprocess.Popen(
+      command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      start_new_session=True,
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   time.sleep(3)
   os.killpg(first.pid, signal.SIGINT)
   stopped_at = time.monotonic()
