@@ -211,51 +211,47 @@ def _softmax_end(graph, x):
       if inner is not None and inner[0] is body.outvars[0]:
         return eqn.outvars[0], {users[0]}
       return None
-  last = x.aval.ndim - 1
-  if len(users) != 2:
+  shifted = _reduced_back(graph, x, "reduce_max", "sub",
+                         ("max", "broadcast_in_dim", "stop_gradient",
+                          "reshape"))
+  if shifted is None:
     return None
-  by = {graph.eqns[i].primitive.name: i for i in users}
-  if set(by) != {"reduce_max", "sub"}:
-    return None
-  i_max, i_sub = by["reduce_max"], by["sub"]
-  if (tuple(graph.eqns[i_max].params["axes"]) != (last,)
-      or graph.eqns[i_sub].invars[0] is not x):
-    return None
-  seen = {i_max, i_sub}
-  # max -> [max with -inf] -> broadcast -> [stop_gradient] -> sub's operand
-  v = graph.eqns[i_max].outvars[0]
-  while v is not graph.eqns[i_sub].invars[1]:
-    i = graph.only_user(v)
-    if i is None or graph.eqns[i].primitive.name not in (
-        "max", "broadcast_in_dim", "stop_gradient", "reshape"):
-      return None
-    seen.add(i)
-    v = graph.eqns[i].outvars[0]
+  i_sub, seen = shifted
   i_exp = graph.only_user(graph.eqns[i_sub].outvars[0])
   if i_exp is None or graph.eqns[i_exp].primitive.name != "exp":
     return None
-  seen.add(i_exp)
-  e = graph.eqns[i_exp].outvars[0]
-  users = graph.users.get(e, [])
+  normalised = _reduced_back(graph, graph.eqns[i_exp].outvars[0],
+                             "reduce_sum", "div",
+                             ("broadcast_in_dim", "reshape"))
+  if normalised is None:
+    return None
+  i_div, more = normalised
+  return graph.eqns[i_div].outvars[0], seen | more | {i_exp}
+
+
+def _reduced_back(graph, x, reduce, combine, via):
+  """`x`'s two uses as ``combine(x, via...(reduce(x, last axis)))`` (a
+  softmax's ``x - max`` and ``e / sum``): (the combine's index, the
+  equations), or None."""
+  users = graph.users.get(x, [])
   if len(users) != 2 or min(users) < 0:
     return None
   by = {graph.eqns[i].primitive.name: i for i in users}
-  if set(by) != {"reduce_sum", "div"}:
+  if set(by) != {reduce, combine}:
     return None
-  i_sum, i_div = by["reduce_sum"], by["div"]
-  if (tuple(graph.eqns[i_sum].params["axes"]) != (last,)
-      or graph.eqns[i_div].invars[0] is not e):
+  i_red, i_comb = by[reduce], by[combine]
+  if (tuple(graph.eqns[i_red].params["axes"]) != (x.aval.ndim - 1,)
+      or graph.eqns[i_comb].invars[0] is not x):
     return None
-  seen |= {i_sum, i_div}
-  v = graph.eqns[i_sum].outvars[0]
-  while v is not graph.eqns[i_div].invars[1]:
+  seen = {i_red, i_comb}
+  v = graph.eqns[i_red].outvars[0]
+  while v is not graph.eqns[i_comb].invars[1]:
     i = graph.only_user(v)
-    if i is None or graph.eqns[i].primitive.name not in ("broadcast_in_dim",
-                                                          "reshape"):
+    if i is None or graph.eqns[i].primitive.name not in via:
       return None
     seen.add(i)
     v = graph.eqns[i].outvars[0]
-  return graph.eqns[i_div].outvars[0], seen
+  return i_comb, seen
 
 
 def _follow(graph, v, axes, sizes, replaced, scale=None, masks=None):
