@@ -482,6 +482,15 @@ class _Rules:
 
   def _dot(self, eqn, lhs, rhs):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    # K is flattened in the right operand's dimension order (the pairs are
+    # sorted by it): a weight [heads, head_dim, out] contracted over its
+    # first two dimensions in the order (head_dim, heads), as einsum may
+    # name them, was transposed, all 8 MB of it, on every decode step. The
+    # order is the product's K order, so it must not depend on the shapes
+    # (which operand is bigger changes with the batch): the right operand's
+    # always.
+    if len(rc) > 1:
+      lc, rc = zip(*sorted(zip(lc, rc), key=lambda pair: pair[1]))
     out_dtype = eqn.outvars[0].aval.dtype
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
