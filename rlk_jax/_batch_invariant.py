@@ -38,16 +38,17 @@ arguments and evaluates it equation by equation:
 - A float division on CPU stays a division (``_divide``): XLA's
   simplifier otherwise rewrites some into products by a reciprocal, as
   the shapes around them decide.
-- Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond`` and
-  ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
+- Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
+  ``shard_map`` and ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
   through the public API with the same settings). A ``custom_jvp``
   function whose body needs rewriting is evaluated inline: its derivative
   is then the rewritten body's (its own rule is set aside, and the report
   says so); one with nothing to rewrite is left whole.
 - Everything else is bound unchanged. What it cannot make invariant (an
-  integer product, a sum over other axes, a ``custom_vjp`` function or a
-  ``shard_map`` body with products inside) is left alone and listed by
-  ``report``.
+  integer product, a sum over other axes, a ``custom_vjp`` function with
+  products inside) is left alone and listed by ``report``. A
+  ``shard_map`` body is rewritten like any other (its replication checks
+  off).
 
 Gradients: applied inside ``grad`` (``jax.grad(batch_invariant(f))``, the
 form to train with) the backward is JAX's VJP of the rewritten forward,
@@ -69,6 +70,7 @@ decode step against a cache gives the prefill's bits.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 
 import jax
@@ -295,18 +297,28 @@ _PER_ELEMENT = {"exp": reference.exp, "expm1": reference.expm1,
 _PER_ELEMENT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _per_element(eqn, x):
+def _by_platform(platform, *args, cpu, default):
+  """``platform_dependent``, or its branch itself where the platform is
+  known when tracing (a ``shard_map`` body's: its mesh's devices). Inside
+  ``shard_map``, JAX 0.10 linearised platform_dependent's ``cond`` into
+  branches of mismatched varying axes, and gradients failed to trace."""
+  if platform is None:
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+  return (cpu if platform == "cpu" else default)(*args)
+
+
+def _per_element(eqn, x, platform=None):
   """The equation's function with an element's bits its own: reference's
   plain-arithmetic form on CPU (module docstring), the primitive as bound
   elsewhere; computed in f32 as XLA does for 2-byte floats."""
   params = eqn.params
-  y = jax.lax.platform_dependent(
-      x.astype(jnp.float32), cpu=_PER_ELEMENT[eqn.primitive.name],
+  y = _by_platform(
+      platform, x.astype(jnp.float32), cpu=_PER_ELEMENT[eqn.primitive.name],
       default=lambda y: eqn.primitive.bind(y, **params))
   return y.astype(x.dtype)
 
 
-def _divide(x, y, dtype):
+def _divide(x, y, dtype, platform=None):
   """``x / y``, a true division at every shape. XLA's algebraic simplifier
   rewrites a division by what it sees of the divisor (``a /
   broadcast(b)`` into ``a * broadcast(1 / b)``, ``a / sqrt(b)`` into ``a *
@@ -323,8 +335,8 @@ def _divide(x, y, dtype):
   there would cost the broadcast divisor's memory traffic."""
   x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
   shape = jnp.broadcast_shapes(x.shape, y.shape)
-  return jax.lax.platform_dependent(
-      x, y, default=lambda x, y: x / y,
+  return _by_platform(
+      platform, x, y, default=lambda x, y: x / y,
       cpu=lambda x, y: x / jax.lax.optimization_barrier(
           jnp.broadcast_to(y, shape)))
 
@@ -332,7 +344,7 @@ def _divide(x, y, dtype):
 _PRECISION = {jnp.dtype(jnp.bfloat16): (8, 7), jnp.dtype(jnp.float16): (5, 10)}
 
 
-def _rounded_on_cpu(x):
+def _rounded_on_cpu(x, platform=None):
   """`x` (a rewritten product's 2-byte float result) fenced on CPU so its
   consumers read it rounded. XLA:CPU computes 2-byte floats in f32 and,
   allowed excess precision (its default), drops a ``convert`` to bf16 and
@@ -344,8 +356,8 @@ def _rounded_on_cpu(x):
   bits = _PRECISION.get(jnp.dtype(x.dtype))
   if bits is None:
     return x
-  return jax.lax.platform_dependent(
-      x, default=lambda y: y,
+  return _by_platform(
+      platform, x, default=lambda y: y,
       cpu=lambda y: jax.lax.reduce_precision(
           y.astype(jnp.float32), *bits).astype(y.dtype))
 
@@ -379,12 +391,10 @@ def _survey(jaxpr, left) -> None:
 
 
 # Higher-order primitives bound whole, with why (their bodies are not
-# rebuilt: a custom_vjp's backward is the user's; shard_map's body would
-# need its specs rebuilt).
+# rebuilt: a custom_vjp's backward is the user's).
 _LEFT_WHOLE = {
     "custom_vjp_call": "its forward and backward are the function's own",
     "custom_vjp_call_jaxpr": "its forward and backward are the function's own",
-    "shard_map": "apply batch_invariant inside the shard_map'd function",
 }
 _INLINED = ("custom_jvp_call",)
 
@@ -399,13 +409,18 @@ class _Rules:
     self.implementation = implementation
     self.attention = attention
     self.segments = segments
+    self.platform = None  # known when tracing: a shard_map body's
+    self.unchecked_manual = False  # in a shard_map rebuilt unchecked
 
   def _attention_matches(self, jaxpr, consts):
     """(jaxpr, consts, matches): with its jit calls inlined where attention
     is looked for (a mask's ``jnp.where`` is a call of its own)."""
     if not self.attention:
       return jaxpr, consts, {}
-    if any(e.primitive.name in _attention_pattern.CALLS for e in jaxpr.eqns):
+    if (any(e.primitive.name in _attention_pattern.CALLS for e in jaxpr.eqns)
+        and not _varies_over_mesh_axes(jaxpr)):
+      # (Inside a checked shard_map an attention whose pieces cross jit
+      # calls is not seen, and stays on products: still invariant.)
       jaxpr, consts = _inlined(jaxpr, consts)
     return jaxpr, consts, _attention_pattern.find(
         jaxpr, _attention.HEAD_DIMS, ("bfloat16", "float16"))
@@ -443,11 +458,16 @@ class _Rules:
         env[eqn.outvars[0]] = _rounded_on_cpu(_attention_pattern.evaluate(
             m, read(m.q), read(m.k), read(m.v),
             [read(spec.source) for spec in m.masks], eqn.outvars[0].aval,
-            self._attend))
+            self._attend), self.platform)
         continue
       if index in replaced:
         continue
       invals = [read(v) for v in eqn.invars]
+      if self.unchecked_manual and eqn.primitive.name == "pvary":
+        # A shard_map body rebuilt without replication checks: the varying
+        # type it marks is not tracked there (the values are unchanged).
+        env.update(zip(eqn.outvars, invals))
+        continue
       outvals = self._equation(eqn, invals)
       if not eqn.primitive.multiple_results:
         outvals = [outvals]
@@ -461,15 +481,15 @@ class _Rules:
   def _equation(self, eqn, invals):
     rewrite = _rewritten(eqn)
     if rewrite == "dot":
-      return _rounded_on_cpu(self._dot(eqn, *invals))
+      return _rounded_on_cpu(self._dot(eqn, *invals), self.platform)
     if rewrite == "row_sum":
       return reference.row_sum(invals[0]).astype(eqn.outvars[0].aval.dtype)
     if rewrite == "scatter_add":
       return _ordered_row_scatter_add(*invals, mode=eqn.params["mode"])
     if rewrite == "per_element":
-      return _per_element(eqn, invals[0])
+      return _per_element(eqn, invals[0], self.platform)
     if rewrite == "divide":
-      return _divide(*invals, eqn.outvars[0].aval.dtype)
+      return _divide(*invals, eqn.outvars[0].aval.dtype, self.platform)
     rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)
@@ -569,6 +589,26 @@ class _Rules:
     body = lambda c: self._closed(p["body_jaxpr"], [*body_consts, *c])
     return jax.lax.while_loop(cond, body, init)
 
+  def _shard_map(self, eqn, invals):
+    # The body is the per-device program: its products and row sums are
+    # rewritten as any other's (a row's bits are its own on every device).
+    # Rebuilt through jax.shard_map with the equation's mesh, specs and
+    # manual axes. Replication checks off: the rewritten body's loops
+    # (det_gemm's CPU reference walks K in a scan from zeros) do not carry
+    # the varying-axes types the checker asks of a loop's carry.
+    p = eqn.params
+    body = p["jaxpr"]
+    inner = copy.copy(self)
+    inner.unchecked_manual = True
+    devices = getattr(p["mesh"], "devices", None)
+    if devices is not None and devices.size:
+      inner.platform = devices.flat[0].platform
+    rebuilt = jax.shard_map(
+        lambda *args: tuple(inner.eval(body, (), args)), mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+        axis_names=set(p["newly_manual_axes"]), check_vma=False)
+    return list(rebuilt(*invals))
+
   def _cond(self, eqn, invals):
     index, *operands = invals
     branches = [functools.partial(
@@ -589,6 +629,17 @@ def _inlined(jaxpr, consts):
                            weak_type=getattr(v.aval, "weak_type", False))
       for v in jaxpr.invars))
   return closed.jaxpr, closed.consts
+
+
+def _varies_over_mesh_axes(jaxpr) -> bool:
+  """Whether `jaxpr` was traced inside a checked ``shard_map`` (its inputs
+  typed by the mesh axes they vary over): a retrace from plain shapes
+  would drop those types and fail the checks."""
+  for v in jaxpr.invars:
+    manual = getattr(v.aval, "manual_axis_type", None)
+    if getattr(manual, "varying", None) or getattr(v.aval, "vma", None):
+      return True
+  return False
 
 
 def _eval_inlining(jaxpr, consts, args):
@@ -683,4 +734,5 @@ _HIGHER_ORDER = {
     "scan": _Rules._scan,
     "while": _Rules._while,
     "cond": _Rules._cond,
+    "shard_map": _Rules._shard_map,
 }

@@ -39,6 +39,28 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(fn(padded))[:n]
 
 
+def _mesh_axes(x) -> frozenset:
+  """The mesh axes `x` varies over inside a checked ``shard_map`` (none
+  elsewhere)."""
+  t = jax.typeof(x)
+  manual = getattr(t, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None)
+                   or ())
+
+
+def varying_like(init, *operands):
+  """A loop's initial carry typed to vary over the mesh axes its operands
+  vary over: inside a checked ``shard_map`` a loop's carry must keep one
+  type, and the sums below start from constants. The values are
+  unchanged (outside ``shard_map`` this returns `init`)."""
+  axes = frozenset().union(*(_mesh_axes(x) for x in operands))
+  if not axes:
+    return init
+  return jax.tree.map(
+      lambda z: jax.lax.pcast(z, tuple(sorted(axes - _mesh_axes(z))),
+                              to="varying"), init)
+
+
 def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
                transpose_b: bool = False, out_dtype=None) -> jax.Array:
   """``op(a) @ op(b)`` as an explicit loop over K of f32 multiply-adds.
@@ -60,7 +82,8 @@ def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,
     row = jax.lax.dynamic_slice_in_dim(b, i, 1, axis=0)     # [1, N]
     return acc + column * row
 
-  acc = jax.lax.fori_loop(0, k, step, jnp.zeros((m, n), jnp.float32))
+  acc = jax.lax.fori_loop(0, k, step, varying_like(
+      jnp.zeros((m, n), jnp.float32), a, b))
   return acc.astype(out_dtype)
 
 
@@ -138,8 +161,8 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int, fold_keys: int,
   def contract(a, b, n):  # sum over the last axis of a * b, in order
     def step(i, acc):
       return acc + a[..., i] * b[..., i]
-    return jax.lax.fori_loop(0, n, step, jnp.zeros(
-        jnp.broadcast_shapes(a.shape[:-1], b.shape[:-1]), jnp.float32))
+    return jax.lax.fori_loop(0, n, step, varying_like(jnp.zeros(
+        jnp.broadcast_shapes(a.shape[:-1], b.shape[:-1]), jnp.float32), a, b))
 
   def block(jb, carry):
     m, l, acc = carry                                        # [Tq, Hq, ...]
@@ -167,9 +190,9 @@ def attention(q, k, v, seqs, *, scale: float, block_n: int, fold_keys: int,
     return m_new, l, acc
 
   def empty():
-    return (jnp.full((tq, hq), -jnp.inf, jnp.float32),
-            jnp.zeros((tq, hq), jnp.float32),
-            jnp.zeros((tq, hq, dim), jnp.float32))
+    return varying_like((jnp.full((tq, hq), -jnp.inf, jnp.float32),
+                         jnp.zeros((tq, hq), jnp.float32),
+                         jnp.zeros((tq, hq, dim), jnp.float32)), q, k, v)
 
   # A chunk's blocks past the last key are no-ops: walk no more of them
   # than the keys fill (a static count, so reverse mode runs).
@@ -223,7 +246,8 @@ def row_sum(x: jax.Array) -> jax.Array:
   # and made an 8x512 forward of Llama-3.2-1B's shapes 13% slower (H100,
   # 2026-11-28). The adds and their order are the same either way.
   per_thread, _ = jax.lax.scan(lambda acc, c: (acc + c, None),
-                               jnp.zeros((*lead, ROW_THREADS), jnp.float32), x,
+                               varying_like(jnp.zeros((*lead, ROW_THREADS),
+                                                      jnp.float32), x), x,
                                unroll=min(chunks, 64))
   # The per-thread sums are materialised: left to fuse with the tree below,
   # XLA ran one GPU thread per warp sum, each adding 32 threads' columns
