@@ -75,9 +75,14 @@ def build(cfg: dict, seed: int = 0) -> Pair:
       num_key_value_heads=cfg["num_kv_heads"], rms_norm_eps=1e-5,
       rope_theta=500_000.0, tie_word_embeddings=True,
       max_position_embeddings=4096, attn_implementation="sdpa")
-  hf = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+  hf = transformers.LlamaForCausalLM(hf_config).eval()
   with torch.no_grad():
+    # Parameters to bf16, buffers kept: `.to(torch.bfloat16)` would round
+    # the rotary embedding's f32 inverse frequencies too (which
+    # from_pretrained in bf16 keeps in f32), an angle error growing with
+    # the position (0.5 rad at position 255).
     for name, p in hf.named_parameters():
+      p.data = p.data.to(torch.bfloat16)
       if name.endswith("norm.weight"):
         p.copy_(1 + 0.1 * torch.randn_like(p, dtype=torch.float32))
   module = tunix_client.model_module("llama3")
