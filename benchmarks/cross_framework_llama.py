@@ -17,10 +17,7 @@ others are (the largest difference over the largest magnitude).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
 import tempfile
-import types
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +37,6 @@ def _config(smoke: bool) -> dict:
   return dict(num_layers=4, vocab_size=128256, embed_dim=2048,
               hidden_dim=8192, num_heads=32, head_dim=64, num_kv_heads=8,
               batch=4, seq=256)
-
-
-def tunix_params_module():
-  """``tunix.models.llama3.params`` (Tunix's safetensors loader), imported
-  as ``benchmarks.tunix_client`` imports the model: without Tunix's
-  package ``__init__`` (which imports its trainers)."""
-  tunix_client.model_module("llama3")
-  root = list(sys.modules["tunix"].__path__)[0]
-  if "tunix.oss" not in sys.modules:
-    package = types.ModuleType("tunix.oss")
-    package.__path__ = [root + "/oss"]
-    sys.modules["tunix.oss"] = package
-  return importlib.import_module("tunix.models.llama3.params")
 
 
 @dataclasses.dataclass
@@ -94,8 +78,9 @@ def build(cfg: dict, seed: int = 0) -> Pair:
       weight_tying=True)
   with tempfile.TemporaryDirectory() as where:
     hf.save_pretrained(where, safe_serialization=True)
-    tunix = tunix_params_module().create_model_from_safe_tensors(
-        where, config, dtype=jnp.bfloat16)
+    loader = tunix_client.params_module("llama3")
+    tunix = loader.create_model_from_safe_tensors(where, config,
+                                                  dtype=jnp.bfloat16)
   return Pair(hf, tunix, cfg)
 
 

@@ -30,12 +30,20 @@ def model_module(family: str = "llama3"):
   else:
     root = importlib.util.find_spec("tunix").submodule_search_locations[0]
   for name in ("tunix", "tunix.models", f"tunix.models.{family}",
-               "tunix.generate", "tunix.utils"):
+               "tunix.generate", "tunix.utils", "tunix.oss"):
     if name not in sys.modules:
       package = types.ModuleType(name)
       package.__path__ = [root + name.removeprefix("tunix").replace(".", "/")]
       sys.modules[name] = package
   return importlib.import_module(f"tunix.models.{family}.model")
+
+
+def params_module(family: str = "llama3"):
+  """``tunix.models.<family>.params``: Tunix's loader of a safetensors
+  checkpoint (transformers' names) into its model (needs safetensors)."""
+  model_module(family)
+  _need("safetensors")
+  return importlib.import_module(f"tunix.models.{family}.params")
 
 
 def sampler_module():

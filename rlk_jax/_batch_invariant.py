@@ -39,8 +39,8 @@ arguments and evaluates it equation by equation:
   simplifier otherwise rewrites some into products by a reciprocal, as
   the shapes around them decide.
 - Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
-  ``shard_map`` and ``custom_jvp`` functions the same rules apply to their bodies (rebuilt
-  through the public API with the same settings). A ``custom_jvp``
+  ``shard_map`` and ``custom_jvp`` functions the same rules apply to their
+  bodies (rebuilt through the public API with the same settings). A ``custom_jvp``
   function whose body needs rewriting is evaluated inline: its derivative
   is then the rewritten body's (its own rule is set aside, and the report
   says so); one with nothing to rewrite is left whole.
@@ -593,9 +593,9 @@ class _Rules:
     # The body is the per-device program: its products and row sums are
     # rewritten as any other's (a row's bits are its own on every device).
     # Rebuilt through jax.shard_map with the equation's mesh, specs and
-    # manual axes. Replication checks off: the rewritten body's loops
-    # (det_gemm's CPU reference walks K in a scan from zeros) do not carry
-    # the varying-axes types the checker asks of a loop's carry.
+    # manual axes. Replication checks off: rlk's kernel calls (Pallas,
+    # FFI) declare their results without the varying-axes types a checked
+    # shard_map asks of them.
     p = eqn.params
     body = p["jaxpr"]
     inner = copy.copy(self)
@@ -635,11 +635,7 @@ def _varies_over_mesh_axes(jaxpr) -> bool:
   """Whether `jaxpr` was traced inside a checked ``shard_map`` (its inputs
   typed by the mesh axes they vary over): a retrace from plain shapes
   would drop those types and fail the checks."""
-  for v in jaxpr.invars:
-    manual = getattr(v.aval, "manual_axis_type", None)
-    if getattr(manual, "varying", None) or getattr(v.aval, "vma", None):
-      return True
-  return False
+  return any(reference.varying_axes(v.aval) for v in jaxpr.invars)
 
 
 def _eval_inlining(jaxpr, consts, args):

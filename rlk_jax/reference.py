@@ -39,13 +39,13 @@ def rowwise(fn, x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(fn(padded))[:n]
 
 
-def _mesh_axes(x) -> frozenset:
-  """The mesh axes `x` varies over inside a checked ``shard_map`` (none
-  elsewhere)."""
-  t = jax.typeof(x)
-  manual = getattr(t, "manual_axis_type", None)
-  return frozenset(getattr(manual, "varying", None) or getattr(t, "vma", None)
-                   or ())
+def varying_axes(aval) -> frozenset:
+  """The mesh axes a value of type `aval` varies over inside a checked
+  ``shard_map`` (none elsewhere; JAX 0.10 names them
+  ``manual_axis_type.varying``, earlier versions ``vma``)."""
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None)
+                   or getattr(aval, "vma", None) or ())
 
 
 def varying_like(init, *operands):
@@ -53,12 +53,13 @@ def varying_like(init, *operands):
   vary over: inside a checked ``shard_map`` a loop's carry must keep one
   type, and the sums below start from constants. The values are
   unchanged (outside ``shard_map`` this returns `init`)."""
-  axes = frozenset().union(*(_mesh_axes(x) for x in operands))
+  axes = frozenset().union(*(varying_axes(jax.typeof(x)) for x in operands))
   if not axes:
     return init
-  return jax.tree.map(
-      lambda z: jax.lax.pcast(z, tuple(sorted(axes - _mesh_axes(z))),
-                              to="varying"), init)
+  def varying(z):
+    missing = axes - varying_axes(jax.typeof(z))
+    return jax.lax.pcast(z, tuple(sorted(missing)), to="varying")
+  return jax.tree.map(varying, init)
 
 
 def det_matmul(a: jax.Array, b: jax.Array, transpose_a: bool = False,

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import tunix_client  # noqa: E402
 from benchmarks import cross_framework_llama as cross  # noqa: E402
 
 # Computed the same way in both model codes: a gather, products (det_gemm's
@@ -23,6 +24,7 @@ IDENTICAL = ("embedding", "q projection", "k projection",
 
 @pytest.fixture(scope="module")
 def rows():
+  tunix_client.model_module("llama3")  # skips, saying why, without Tunix
   return dict(cross.run_comparison(cross._config(True), seed=1))
 
 
