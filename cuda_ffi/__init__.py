@@ -37,6 +37,7 @@ LOGITS_FINISH_TARGET = "rlk_logits_finish"
 LOGITS_GRAD_TARGET = "rlk_logits_grad"
 ATTENTION_FORWARD_TARGET = "rlk_attention_forward_sm90"
 ATTENTION_DKDV_TARGET = "rlk_attention_dkdv_sm90"
+TRITON_LAUNCH_TARGET = "rlk_triton_launch"
 # det_attention's Hopper kernels: the head dims they take, the forward's tile
 # rows (the Triton forward's, whose tile map it reads) and the backward's
 # keys a tile (two of the Triton dK/dV kernel's 64-key programs).
@@ -161,7 +162,8 @@ def _open(path) -> ctypes.CDLL:
                          (LOGITS_GRAD_TARGET, lib.RlkLogitsGrad),
                          (ATTENTION_FORWARD_TARGET,
                           lib.RlkAttentionForwardSm90),
-                         (ATTENTION_DKDV_TARGET, lib.RlkAttentionDkdvSm90)):
+                         (ATTENTION_DKDV_TARGET, lib.RlkAttentionDkdvSm90),
+                         (TRITON_LAUNCH_TARGET, lib.RlkTritonLaunch)):
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol),
                                 platform="CUDA")
   _state.update(kernels=set(), loaded=set(), generation=1, complete=False,

@@ -58,6 +58,8 @@ LOGP_SOURCE = CSRC / "linear_logp_kernels.cu"
 ROW_REDUCE_SOURCE = CSRC / "row_reduce_kernels.cu"
 # det_attention's Hopper forward, its XLA handler and C entry, one file.
 ATTENTION_SOURCE = CSRC / "attention_sm90_kernels.cu"
+# The launcher of Triton-compiled kernels from XLA (command-buffer capturable).
+TRITON_LAUNCH_SOURCE = CSRC / "triton_launch.cc"
 # A kernel library's entry: the launch function of the kernel object it is
 # linked with (compiled once per kernel, with that kernel's defines).
 ENTRY_SOURCE = CSRC / "det_gemm_kernel_entry.cc"
@@ -474,7 +476,7 @@ def _core_commands(nvcc, ffi, out_dir: pathlib.Path):
        "-o", str(out_dir / "row_reduce_kernels.o")]]
   # Host code, compiled through nvcc so CUDA's headers are found wherever
   # the toolkit lives.
-  for source in (API_SOURCE, pack_api):
+  for source in (API_SOURCE, pack_api, TRITON_LAUNCH_SOURCE):
     commands.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I",
                      str(CSRC), "-isystem", str(ffi), "-c", str(source),
                      "-o", str(out_dir / (source.stem + ".o"))])

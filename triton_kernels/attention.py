@@ -55,8 +55,8 @@ import dataclasses
 import functools
 import math
 
-from triton_kernels.backend import (Launcher, interpreted, jax_triton,
-                                    triton, tl)
+from triton_kernels import jax_launch
+from triton_kernels.backend import Launcher, interpreted, triton, tl
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
@@ -680,7 +680,6 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
   key chunks run in parallel programs (at most that many chunks a
   sequence) and a second kernel folds them: the same bits, for decode."""
   import jax
-  jt = jax_triton()
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
   meta = _fwd_meta(statics, config, heads_per_tile, False, bool(split_chunks))
@@ -688,7 +687,7 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
     strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                         "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
                        _strides(q, k, v, q)))
-    return jt.triton_call(
+    return jax_launch.triton_call(
         q, k, v, seqs, tiles, kernel=_fwd_kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((tq, hq), "float32")),
@@ -697,14 +696,14 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
         **strides, **meta)
   strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                       "stride_vt", "stride_vh"), _strides(q, k, v)))
-  part, ml = jt.triton_call(
+  part, ml = jax_launch.triton_call(
       q, k, v, seqs, tiles, kernel=_fwd_split_kernel,
       out_shape=(jax.ShapeDtypeStruct((split_chunks, tq, hq, d), "float32"),
                  jax.ShapeDtypeStruct((split_chunks, tq, hq, 2), "float32")),
       grid=grid + (split_chunks,), num_warps=config.warps(True),
       num_stages=config.num_stages, name="rlk_det_attention_fwd_split",
       n_seqs=seqs.shape[1], n_rows=tq, **strides, **meta)
-  return jt.triton_call(
+  return jax_launch.triton_call(
       part, ml, kernel=_fwd_combine_kernel,
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((tq, hq), "float32")),
@@ -809,7 +808,7 @@ def delta_jax(out, g):
   """f32 ``[Tq, Hq]``: sum(out * g) per row, the backward's first step."""
   import jax
   tq, hq, d = out.shape
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       out, g, kernel=_bwd_delta_kernel,
       out_shape=jax.ShapeDtypeStruct((tq, hq), "float32"),
       grid=(triton.cdiv(tq * hq, _DELTA_BLOCK),), num_warps=4,
@@ -832,7 +831,7 @@ def dq_jax(q, k, v, g, lse, delta, seqs, q_tiles, statics: Statics,
   import jax
   hq, d = q.shape[1:]
   dq_m, dq_n, dq_warps, dq_stages = config.dq_tiles()
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       q, k, v, g, lse, delta, seqs, q_tiles, kernel=_bwd_dq_kernel,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(q_tiles.shape[1], hq), num_warps=dq_warps, num_stages=dq_stages,
@@ -848,7 +847,7 @@ def backward_jax(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
   import jax
   hkv, d = k.shape[1:]
   delta = delta_jax(out, g)
-  dk, dv = jax_triton().triton_call(
+  dk, dv = jax_launch.triton_call(
       q, k, v, g, lse, delta, seqs, k_tiles, kernel=_bwd_dkdv_kernel,
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)),

@@ -8,7 +8,7 @@ load as zeros. Operands are read through strides, so the backward's
 transposed products read the forward operands in place.
 
 Two launchers share the kernel: ``matmul`` (JAX arrays, through
-``jax_triton.triton_call``) and ``matmul_torch`` (torch tensors, Triton's
+``jax_launch.triton_call``) and ``matmul_torch`` (torch tensors, Triton's
 own launcher on torch's current stream; with ``TRITON_INTERPRET=1`` it
 runs on CPU tensors in Triton's interpreter, which is how the CPU tests
 check the arithmetic).
@@ -16,7 +16,8 @@ check the arithmetic).
 
 from __future__ import annotations
 
-from triton_kernels.backend import interpreted, jax_triton, triton, tl
+from triton_kernels import jax_launch
+from triton_kernels.backend import interpreted, triton, tl
 
 __all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product"]
 
@@ -139,7 +140,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config):
   sizes = dict(zip(("stride_am", "stride_ak", "stride_bk", "stride_bn",
                     "stride_cm", "stride_cn"),
                    strides(m, n, k, transpose_a, transpose_b)))
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       a, b, kernel=_det_matmul_kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=_grid(m, n, config), num_warps=config.num_warps,

@@ -24,7 +24,8 @@ launcher, or its interpreter on CPU).
 
 from __future__ import annotations
 
-from triton_kernels.backend import interpreted, jax_triton, triton, tl
+from triton_kernels import jax_launch
+from triton_kernels.backend import interpreted, triton, tl
 from triton_kernels.det_matmul import tile_product
 
 __all__ = ["linear_logp", "update_stats", "linear_logp_torch",
@@ -155,7 +156,7 @@ def linear_logp(hidden, weight, targets, temps, *, with_entropy: bool = True,
   n, h = hidden.shape
   v = weight.shape[1]
   out = jax.ShapeDtypeStruct((n,), jnp.float32)
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       hidden, weight, targets, temps, kernel=_fused_kernel,
       out_shape=(out,) * 3,
       grid=_grid(n, config), num_warps=config.num_warps,
@@ -173,7 +174,7 @@ def update_stats(logits, targets, temps, stats, *, with_entropy: bool = True,
   import jax.numpy as jnp
   n, c = logits.shape
   out = jax.ShapeDtypeStruct((n,), jnp.float32)
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       logits, targets, temps, *stats, kernel=_stats_kernel,
       out_shape=(out,) * 4, input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
       grid=_grid(n, config),

@@ -12,7 +12,8 @@ interpreter with ``TRITON_INTERPRET=1``, which the CPU tests use).
 
 from __future__ import annotations
 
-from triton_kernels.backend import jax_triton, triton, tl
+from triton_kernels import jax_launch
+from triton_kernels.backend import triton, tl
 
 __all__ = ["gather_rows", "gather_rows_torch"]
 
@@ -55,7 +56,7 @@ def gather_rows(src, idx, fill, *, config):
   width = src.shape[1]
   # The output pointer comes after the positional inputs (out_ptr, third);
   # the sizes go as compile-time constants (det_matmul.matmul says why).
-  return jax_triton().triton_call(
+  return jax_launch.triton_call(
       idx, src, kernel=_gather_rows_kernel, n_out=n_out, width=width,
       out_shape=jax.ShapeDtypeStruct((n_out, width), src.dtype),
       grid=_grid(n_out, width, config), num_warps=config.num_warps,
