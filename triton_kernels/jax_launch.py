@@ -68,7 +68,7 @@ def compile_kernel(kernel, pointer_types: tuple, constexprs: tuple,
                    enable_fp_fusion: bool = True) -> Compiled | None:
   """Compiles `kernel` for `capability` (90: sm_90a) with its first
   parameters the pointers of `pointer_types` and `constexprs` ((name,
-  value) pairs) every other; None when the result needs what the handler
+  value) pairs) compile-time constants; None when the result needs what the handler
   does not give (scratch memory, clusters, cooperative or dependent
   launches)."""
   from triton.backends.compiler import GPUTarget
@@ -77,13 +77,13 @@ def compile_kernel(kernel, pointer_types: tuple, constexprs: tuple,
   names = list(kernel.arg_names)
   constants = dict(constexprs)
   pointers = names[:len(pointer_types)]
-  missing = [n for n in names[len(pointer_types):] if n not in constants]
+  # Parameters given neither way are left out of the signature, as
+  # jax-triton leaves them (the JAX routes never passed `INTERPRETED`).
   clash = [n for n in pointers if n in constants]
-  if missing or clash or len(pointers) < len(pointer_types):
+  if clash or len(pointers) < len(pointer_types):
     raise TypeError(
-        f"triton_call: {kernel.__name__} takes {len(pointer_types)} arrays "
-        f"first and every other parameter as a keyword; missing "
-        f"{missing}, given twice {clash}")
+        f"triton_call: {kernel.__name__} takes its {len(pointer_types)} "
+        f"arrays as its first parameters; {clash} given as keywords too")
   target = GPUTarget("cuda", capability, 32)
   backend = CUDABackend(target)
   signature = dict(zip(pointers, pointer_types))
