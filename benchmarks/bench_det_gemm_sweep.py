@@ -50,9 +50,11 @@ import jax.numpy as jnp
 from absl import flags
 
 from benchmarks import cublaslt_recipe, harness
+from benchmarks.gemm_products import (BENCH, layout_product, rlk_torch_product,
+                                      timing_plan, torch_operand_sets,
+                                      torch_product)
 from benchmarks.harness import Row
 
-BENCH = "det_gemm_sweep"
 # hidden, qkv out, o in, intermediate (gate_up = 2x), vocab: from each
 # model's config.json (hidden_size, num_attention_heads x head_dim plus two
 # num_key_value_heads x head_dim, intermediate_size or
@@ -177,12 +179,6 @@ KERNEL_TIMES = flags.DEFINE_bool(
     "sweep_kernel_times", False, "Also profile each competitor's kernels "
     "(CUPTI) and note their time per call: kernel against kernel where a "
     "small product's jitted wall time measures the host's dispatch.")
-SAMPLE_MS = flags.DEFINE_float(
-    "sweep_sample_ms", 10.0, "Milliseconds of work (at cuBLAS's pace) per "
-    "timed batch. 10 reads one kernel alike through every route; with "
-    "--sweep_kernel_times on small products, 1 is enough for the kernel "
-    "time and spares the host's dispatch of ten times as many jitted "
-    "programs (0.1-0.5 ms each on the H100).")
 TUNE_ONLY = flags.DEFINE_bool(
     "sweep_tune_only", False, "Only let rlk's autotuner choose each "
     "product's SM90 config (with --sweep_retune: measure every product "
@@ -218,18 +214,6 @@ def products(family: str, dims: dict) -> list[tuple[str, int, int]]:
           ("lm_head", h, dims["vocab"])]
 
 
-def layout_product(layout: str, m: int, k: int, n: int):
-  """(transpose_a, transpose_b, rows, cols, reduction) of the GEMM a layout
-  runs, and the stored operand shapes."""
-  if layout == "fwd":  # A [M, K] @ W [K, N]
-    return False, False, (m, k), (k, n), (m, n, k)
-  if layout == "dA":  # G [M, N] @ (W [K, N])^T
-    return False, True, (m, n), (k, n), (m, k, n)
-  if layout == "dB":  # (A [M, K])^T @ G [M, N]
-    return True, False, (m, k), (m, n), (k, n, m)
-  raise ValueError(layout)
-
-
 def _dims_of(ta, tb):
   return (((0,) if ta else (1,)), ((1,) if tb else (0,)))
 
@@ -245,47 +229,7 @@ def _rlk_jax(impl, ta, tb):
                                         x, y)
 
 
-def _torch_product(torch, ta, tb):
-  def product(x, y):
-    return torch.matmul(x.T if ta else x, y.T if tb else y)
-  return product
 
-
-def _rlk_torch(torch, ta, tb):
-  op = torch.ops.rlk.det_mm
-  return lambda x, y: op(x, y, ta, tb, torch.bfloat16, "cuda_ffi")
-
-
-
-
-def timing_plan(x_shape, y_shape, flops: int, out_elems: int = 0
-                ) -> tuple[int, int]:
-  """(operand sets, calls per sample) for one product: distinct sets so
-  repeats do not re-read a warm L2 (50 MB on the H100: enough sets to pass
-  256 MB, at most 32, so a decode row reads its weight from HBM as a
-  decode step's layers do), and --sweep_sample_ms of work per sample at
-  cuBLAS's pace (700 TFLOP/s, or 3 TB/s where the bytes take longer),
-  never fewer than one call. 10 ms, because one SM90 kernel then timed the
-  same through jitted JAX and through a torch CUDA-graph replay (1.004x
-  over 8 products; with 2 ms samples the jitted route read 5% faster: the
-  power-capped card runs faster after the longer pause its dispatch
-  leaves; H100, 2026-11-24)."""
-  bytes_per_set = 2 * (math.prod(x_shape) + math.prod(y_shape))
-  n_sets = max(1, min(32, -(-(256 << 20) // max(bytes_per_set, 1))))
-  call_s = max(flops / 700e12, (bytes_per_set + 2 * out_elems) / 3e12, 2e-6)
-  sample_s = SAMPLE_MS.value / 1e3
-  return n_sets, max(1, round(sample_s / (call_s * n_sets)))
-
-
-def torch_operand_sets(torch, x_shape, y_shape, flops: int, out_elems: int,
-                       gen) -> tuple[list, int]:
-  """timing_plan's operand sets as bf16 torch tensors drawn from `gen`
-  (normal values), and its calls per sample."""
-  n_sets, iters = timing_plan(x_shape, y_shape, flops, out_elems)
-  sets = [(torch.randn(x_shape, device="cuda", generator=gen).bfloat16(),
-           torch.randn(y_shape, device="cuda", generator=gen).bfloat16())
-          for _ in range(n_sets)]
-  return sets, iters
 
 
 def _add_candidates(names) -> None:
@@ -394,15 +338,15 @@ def _copy_gbps(rows: list[Row]) -> float:
 def _cublas_bits_note(torch, ta, tb, x, y, cublas_ms, rlk_ms) -> str:
   """How many rows of cuBLAS's result differ from rlk's, bit for bit; and
   where none does but cuBLAS ran faster, the kernel it ran."""
-  ours = _rlk_torch(torch, ta, tb)(x, y)
-  theirs = _torch_product(torch, ta, tb)(x, y)
+  ours = rlktorch_product(torch, ta, tb)(x, y)
+  theirs = torch_product(torch, ta, tb)(x, y)
   rows = int((ours.view(torch.int16) != theirs.view(torch.int16))
              .any(dim=1).sum())
   note = f"cublas bits: {rows} of {ours.shape[0]} rows differ from rlk's"
   if rows == 0 and cublas_ms and rlk_ms and cublas_ms < 0.97 * rlk_ms:
     try:
       names = harness.kernel_names(
-          torch, lambda: _torch_product(torch, ta, tb)(x, y))
+          torch, lambda: torch_product(torch, ta, tb)(x, y))
       note += f"; cublas kernel {' '.join(names)}"
     except Exception as e:  # noqa: BLE001 - the bits stand without it
       note += f"; cublas kernel unknown ({type(e).__name__})"
@@ -435,12 +379,12 @@ def _product_rows(family, proj, m, k, n, layout, impls, torch, on_gpu,
                    for x, y in pairs]
   if "cublas" in impls and torch_gpu:
     competitors["cublas"] = lambda: harness.torch_batch(
-        _torch_product(torch, ta, tb), torch_pairs, graph=True)
+        torch_product(torch, ta, tb), torch_pairs, graph=True)
   if "xla_dot" in impls and m in jax_ms:
     competitors["xla_dot"] = lambda: harness.jax_batch(_xla(ta, tb), pairs)
   if "rlk_cuda_ffi_kernel" in impls and torch_gpu and rlk_ready.get("cuda_ffi"):
     competitors["rlk_cuda_ffi_kernel"] = lambda: harness.torch_batch(
-        _rlk_torch(torch, ta, tb), torch_pairs, graph=True)
+        rlktorch_product(torch, ta, tb), torch_pairs, graph=True)
   if "rlk_cuda_ffi" in impls and rlk_ready.get("cuda_ffi") and m in jax_ms:
     competitors["rlk_cuda_ffi"] = lambda: harness.jax_batch(
         _rlk_jax("cuda_ffi", ta, tb), pairs)

@@ -94,7 +94,7 @@ def _rlk_impl(torch) -> str:
 
 
 def _rows_differ(torch, job) -> dict:
-  from benchmarks.bench_det_gemm_sweep import layout_product
+  from benchmarks.gemm_products import layout_product
   import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
   device = "cuda" if torch.cuda.is_available() else "cpu"
   full_m, out = job["full"], {}
@@ -165,22 +165,22 @@ def _k_alignment(torch, job) -> dict:
 
 def _time(torch, job) -> list[dict]:
   from benchmarks import harness
-  from benchmarks import bench_det_gemm_sweep as sweep
+  from benchmarks import gemm_products as products
   import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
   name = job["setting"]
   rows = []
   for case, m, k, n, layout in job["products"]:
-    ta, tb, x_shape, y_shape, (pm, pn, _) = sweep.layout_product(
+    ta, tb, x_shape, y_shape, (pm, pn, _) = products.layout_product(
         layout, m, k, n)
     flops = 2 * m * n * k
-    n_sets, iters = sweep.timing_plan(x_shape, y_shape, flops, pm * pn)
+    n_sets, iters = products.timing_plan(x_shape, y_shape, flops, pm * pn)
     pairs = [_operands(torch, f"{case} {i}", (x_shape, y_shape), "cuda")
              for i in range(n_sets)]
-    product = sweep._torch_product(torch, ta, tb)
-    timed = harness.interleaved_rows(sweep.BENCH, case, {
+    product = products.torch_product(torch, ta, tb)
+    timed = harness.interleaved_rows(products.BENCH, case, {
         name: lambda: harness.torch_batch(product, pairs, graph=True),
         "rlk_cuda_ffi_kernel": lambda: harness.torch_batch(
-            sweep._rlk_torch(torch, ta, tb), pairs, graph=True),
+            products.rlk_torch_product(torch, ta, tb), pairs, graph=True),
     }, flops=flops, iters=iters, repeats=5, warmup=1)
     # Which kernel cuBLAS chose: where it runs faster with rlk's bits, its
     # tile and cluster shapes say what config rlk lacks.

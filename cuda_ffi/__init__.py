@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from cuda_ffi import build as _build
+from cuda_ffi.gemm_configs import CONFIGS, kernel_parts  # noqa: F401 - API
 
 FFI_TARGET = "rlk_det_gemm_sm90"
 PACK_INFO_TARGET = "rlk_pack_info"
@@ -44,32 +45,6 @@ TRITON_LAUNCH_TARGET = "rlk_triton_launch"
 ATTENTION_HEAD_DIMS = (64, 128)
 ATTENTION_TILE_ROWS = 128
 ATTENTION_DKDV_TILE_KEYS = 128
-# Named kernel instantiations (det_gemm_sm90.h's GemmConfig codes, stable);
-# "auto" lets the library's analytic rule choose by shape. Every config gives
-# the same bits (device-tested); rlk_jax chooses among them by measurement.
-CONFIGS = {"auto": 0, "cooperative_128x256": 1, "pingpong_64x128": 2,
-           "pingpong_64x32": 3, "pingpong_64x64": 4, "swap_pingpong_64x32": 5,
-           "cooperative_256x192": 6, "split_256x192_128x256": 7,
-           "pingpong_128x128": 8, "cooperative_128x128": 9,
-           "cooperative_256x128": 10, "cooperative_128x192": 11,
-           "pingpong_64x256": 12, "cooperative_128x256_cluster_1x2": 13,
-           "pingpong_64x128_cluster_2x1": 14, "pingpong_64x64_cluster_2x1": 15,
-           "pingpong_64x128_cluster_4x2": 16, "pingpong_64x64_cluster_1x2": 17,
-           "cooperative_128x320": 18, "pingpong_64x320_cluster_2x1": 19,
-           "pingpong_128x96_cluster_2x4": 20,
-           "pingpong_128x128_cluster_1x2": 21,
-           "swap_cooperative_256x192_cluster_1x2": 22,
-           "cooperative_128x96": 23, "pingpong_64x320": 24,
-           "cooperative_128x128_cluster_1x1": 25,
-           "cooperative_128x320_k32": 26,
-           "cooperative_128x192_cluster_1x2": 27,
-           "cooperative_128x96_cluster_1x2": 28,
-           "cooperative_128x144": 29, "cooperative_128x160": 30,
-           "cooperative_128x224": 31, "cooperative_128x80": 32,
-           "cooperative_128x144_cluster_1x2": 33,
-           "pingpong_192x128_cluster_2x1": 34,
-           "pingpong_192x96_cluster_2x1": 35,
-           "swap_cooperative_128x192_cluster_1x2": 36}
 # Configs the library refuses for a B stored [N, K] (transpose_b): their TMA
 # box of B would pass 256 rows (det_gemm_api.cc, LaunchOne says why). The
 # autotuner's timer passes over them in that layout.
@@ -309,13 +284,6 @@ def kernel_built(transpose_a: bool, transpose_b: bool, out_f32: bool,
   if config == "auto":
     return any(k[:3] == layout for k in kernels)
   return all((*layout, CONFIGS[c]) in kernels for c in kernel_parts(config))
-
-
-def kernel_parts(config: str) -> tuple[str, ...]:
-  """The one-kernel configs a config runs: the split's two, else itself."""
-  if config == "split_256x192_128x256":
-    return ("cooperative_256x192", "cooperative_128x256")
-  return (config,)
 
 
 def wait_until_built(log=_log.warning) -> str | None:

@@ -306,7 +306,7 @@ def planned_kernels() -> list[tuple[tuple[int, int, int], str]]:
   rest longest to compile first (the wanted kernels go before all of
   them: _Build._next). RLK_CUDA_FFI_CONFIGS=all: every config in every
   layout."""
-  from cuda_ffi import CONFIGS  # the names the tuned tables use
+  from cuda_ffi.gemm_configs import CONFIGS  # the tuned tables' names
   configs = kernel_configs()
   by_code = {code: name for name, code in configs.items()}
   by_snake = {name: by_code[code] for name, code in CONFIGS.items()
@@ -331,10 +331,9 @@ def planned_kernels() -> list[tuple[tuple[int, int, int], str]]:
 def planned_configs(variant) -> list[str]:
   """The config names (cuda_ffi.CONFIGS') the build makes for one layout,
   the split included where it makes both of its kernels."""
-  from cuda_ffi import CONFIGS
+  from cuda_ffi.gemm_configs import CONFIGS, kernel_parts
   codes = {kernel_configs()[name] for v, name in planned_kernels()
            if v == tuple(variant)}
-  from cuda_ffi import kernel_parts
   names = [c for c, code in CONFIGS.items() if code in codes]
   split = "split_256x192_128x256"
   if set(kernel_parts(split)) <= set(names):

@@ -53,33 +53,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from rlk_torch_bridge import sdpa, transformers_attention, transformers_generate
+# (BatchInvariantFallthrough and fallthroughs are this module's API.)
+from rlk_torch_bridge._fallthroughs import (  # noqa: F401
+    BatchInvariantFallthrough, fallthroughs, report_fallthrough)
 from rlk_torch_bridge._aten_route import AtenRoute
 from rlk_torch_bridge._row_mean_op import RowScaled, det_row_mean
 from rlk_torch_bridge.functions import det_gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class BatchInvariantFallthrough(UserWarning):
-  """A call the batch-invariant mode left to torch: its bits may depend on
-  the batch."""
-
-
-_reported: set = set()
-_reported_lock = threading.Lock()
-
-
-def fallthroughs() -> frozenset:
-  """(function, reason) of every call the mode has left to torch in this
-  process."""
-  with _reported_lock:
-    return frozenset(_reported)
 
 
 # A handler's answer for calls outside the mode's business (a mean over
@@ -96,19 +82,6 @@ def _report(func, args) -> None:
             or "no tensor operands")
   name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
   report_fallthrough(name, reason)
-
-
-def report_fallthrough(name: str, reason: str) -> None:
-  """Says once per (name, reason) that the mode left a call to torch."""
-  if torch.compiler.is_compiling():  # said by the eager call, not traced
-    return
-  with _reported_lock:
-    if (name, reason) in _reported:
-      return
-    _reported.add((name, reason))
-  warnings.warn(f"rlk_torch_bridge.batch_invariant_mode left {name} "
-                f"({reason}) to torch: its rows may depend on the batch.",
-                BatchInvariantFallthrough, stacklevel=4)
 
 
 def _takes(*tensors) -> bool:
@@ -299,7 +272,7 @@ class BatchInvariantMode(TorchFunctionMode):
     self._saved_casts = inductor.emulate_precision_casts
     inductor.emulate_precision_casts = True
     transformers_attention.enter()
-    transformers_generate.install()
+    transformers_generate.install(BatchInvariantMode)
     try:
       return super().__enter__()
     except BaseException:

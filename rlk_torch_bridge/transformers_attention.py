@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 
 from rlk_torch_bridge import sdpa
+from rlk_torch_bridge._fallthroughs import report_fallthrough
 from rlk_torch_bridge.attention import det_attention
 
 COVERED = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -66,8 +67,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
   ``(out [B, n, Hq, D], None)``."""
   reason = _reason(module, query, key, value, attention_mask, dropout, kwargs)
   if reason is not None:
-    from rlk_torch_bridge import batch_invariant
-    batch_invariant.report_fallthrough(
+    report_fallthrough(
         f"transformers attention {implementation_name!r}", reason)
     return fallback(module, query, key, value, attention_mask,
                     dropout=dropout, scaling=scaling,

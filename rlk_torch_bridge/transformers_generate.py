@@ -26,6 +26,7 @@ import sys
 import torch
 
 _installed = False
+_mode_type = None  # the batch-invariant mode's class, given by install
 
 
 def _compiled(model, kwargs) -> bool:
@@ -51,10 +52,9 @@ def _compiled(model, kwargs) -> bool:
 def decoding_route(model, kwargs):
   """Runs the block on the aten route if the innermost torch-function mode
   is a batch-invariant mode and the forward runs eagerly."""
-  from rlk_torch_bridge import batch_invariant
   depth = torch._C._len_torch_function_stack()
   mode = torch._C._get_function_stack_at(depth - 1) if depth else None
-  if (not isinstance(mode, batch_invariant.BatchInvariantMode)
+  if (_mode_type is None or not isinstance(mode, _mode_type)
       or _compiled(model, kwargs)):
     yield
     return
@@ -66,10 +66,13 @@ def decoding_route(model, kwargs):
     torch._C._push_on_torch_function_stack(popped)
 
 
-def install() -> None:
+def install(mode_type: type) -> None:
   """Wraps ``GenerationMixin.generate`` (once; transformers must be
-  imported, as any model class imports it)."""
-  global _installed
+  imported, as any model class imports it): under a `mode_type` mode (the
+  batch-invariant mode, which calls this) its eager decoding takes the aten
+  route."""
+  global _installed, _mode_type
+  _mode_type = mode_type
   if _installed or "transformers.generation.utils" not in sys.modules:
     return
   from transformers.generation import utils

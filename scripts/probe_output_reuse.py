@@ -23,7 +23,7 @@ import torch
 import cuda_ffi
 import rlk_torch_bridge  # noqa: F401 - registers torch.ops.rlk
 from benchmarks import harness
-from benchmarks.bench_det_gemm_sweep import torch_operand_sets
+from benchmarks.gemm_products import torch_operand_sets
 from rlk_jax import _gemm_tuning
 from rlk_torch_bridge import _sm90
 

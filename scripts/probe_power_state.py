@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.bench_det_gemm_sweep import timing_plan
+from benchmarks.gemm_products import timing_plan
 from rlk_torch_bridge import _sm90
 
 PAIRS = ["2048,4096,14336,cooperative_256x128,cooperative_128x256",

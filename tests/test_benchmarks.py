@@ -175,17 +175,19 @@ def _sweep_with_flags():
 
 
 def test_sweep_timing_plan_reads_every_decode_weight_from_hbm():
-  sweep = _sweep_with_flags()
+  _sweep_with_flags()
+  from benchmarks import gemm_products
   weight = 2 * 4096 * 4096  # 32 MB: a set fits the H100's 50 MB L2
-  n_sets, iters = sweep.timing_plan((1, 4096), (4096, 4096), 2 * 4096 * 4096,
-                                    4096)
+  n_sets, iters = gemm_products.timing_plan(
+      (1, 4096), (4096, 4096), 2 * 4096 * 4096, 4096)
   assert n_sets * weight >= 256 << 20
   # 10 ms of weight reads at 3 TB/s per sample (11 us a call), not 10 ms
   # of FLOPs at 700 TFLOP/s (200,000 calls)
   assert 500 < iters * n_sets < 2000
   # a large product: one set, a call or a few per sample
-  assert sweep.timing_plan((16384, 8192), (8192, 28672),
-                           2 * 16384 * 8192 * 28672, 16384 * 28672) == (1, 1)
+  assert gemm_products.timing_plan((16384, 8192), (8192, 28672),
+                                   2 * 16384 * 8192 * 28672,
+                                   16384 * 28672) == (1, 1)
 
 
 def test_sweep_summary_splits_by_cublas_bits_and_gives_decode_floors():

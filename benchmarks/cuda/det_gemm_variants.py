@@ -35,7 +35,7 @@ import torch
 
 import cuda_ffi
 from benchmarks import harness  # run with the repository root on PYTHONPATH
-from benchmarks.bench_det_gemm_sweep import timing_plan
+from benchmarks.gemm_products import timing_plan
 
 SHAPES = {"qkv": (4096, 4096, 6144), "o": (4096, 4096, 4096),
           "gate_up": (4096, 4096, 28672), "down": (4096, 14336, 4096),

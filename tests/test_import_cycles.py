@@ -1,0 +1,109 @@
+"""No import cycles among the project's modules.
+
+Every import counts, at module level or inside a function (a deferred
+import that closes a cycle still ties the two modules into one), and
+``from package import name`` counts as importing ``package.name`` where
+that is a module. A call's path through the code should go down the layers
+without coming back (#51)."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("rlk_jax", "rlk_torch_bridge", "pallas_kernels", "triton_kernels",
+            "cuda_ffi", "benchmarks", "examples")
+
+
+def modules(root: pathlib.Path, packages) -> dict[str, pathlib.Path]:
+  """Dotted name -> file of every module of `packages` under `root`
+  (records under benchmarks/results are data, not modules)."""
+  found = {}
+  for package in packages:
+    for path in sorted((root / package).rglob("*.py")):
+      if "results" in path.relative_to(root).parts:
+        continue
+      parts = path.relative_to(root).with_suffix("").parts
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      found[".".join(parts)] = path
+  return found
+
+
+def imports_of(name: str, path: pathlib.Path, known) -> set[str]:
+  """The project modules `name` imports anywhere in its file."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        base = ".".join(up + ([node.module] if node.module else []))
+      subs = [f"{base}.{a.name}" for a in node.names
+              if f"{base}.{a.name}" in known]
+      out.update(subs)
+      if len(subs) < len(node.names):
+        out.add(base)
+  return {m for m in out if m in known and m != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def import_graph(root, packages) -> dict[str, set[str]]:
+  known = modules(root, packages)
+  return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def test_the_projects_modules_import_no_cycle():
+  graph = import_graph(ROOT, PACKAGES)
+  assert len(graph) > 50 and any(graph.values())
+  assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_cycle_is_found_also_through_a_deferred_or_relative_import(
+    tmp_path, deferred):
+  pkg = tmp_path / "pkg"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("from pkg import a\n")
+  (pkg / "a.py").write_text("from .sub import b\n")
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "sub" / "b.py").write_text(
+      "def f():\n  from pkg import a\n" if deferred else "from .. import a\n")
+  (pkg / "c.py").write_text("import pkg.a\n")
+  graph = import_graph(tmp_path, ("pkg",))
+  assert graph["pkg.sub.b"] == {"pkg.a"}
+  assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
