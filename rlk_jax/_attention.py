@@ -14,14 +14,19 @@ One call, three layouts (chosen by the arguments):
 * KV cache: ``q [B, n, Hq, D]`` (the n newest tokens of each sequence)
   against ``k, v [B, S_cache, Hkv, D]`` with ``kv_lens [B]`` valid keys
   (the n new ones included) from ``kv_start [B]`` (default 0);
+* paged KV cache (vLLM's layout): the same queries against ``k, v
+  [num_blocks, page, Hkv, D]`` with ``kv_lens [B]`` and ``block_tables
+  [B, blocks]`` (sequence b's key j in block ``block_tables[b, j //
+  page]``); the kernels read the blocks where they lie, with a contiguous
+  cache's bits; forward only;
 * masked: ``q [B, n, Hq, D]`` against ``k, v [B, S, Hkv, D]`` with a dense
   ``attn_mask [B, n, S]`` (True: the row sees the key), as a model builds
   it for a prefill, a training forward or a decode step against a cache;
   read back into sequences on the device (``_masked_seqs``).
 
 Every layout reduces to one description, ``seqs = [q_start, q_len, k_start,
-k_len]`` per sequence over flattened rows, which both the kernels and the
-reference consume; the contract and its reasoning are in
+k_len]`` per sequence over flattened rows (a paged cache's block tables
+follow as more rows), which both the kernels and the reference consume; the contract and its reasoning are in
 ``triton_kernels.attention``.
 """
 
@@ -59,6 +64,9 @@ class Settings:
   # Every q and k row lies in a sequence (a padded batch without a mask,
   # one packed sequence): no rows outside them to zero.
   all_rows_in: bool = False
+  # > 0: k and v are the rows of a paged cache of `page`-token blocks, and
+  # seqs carries each sequence's block table after its four rows.
+  page: int = 0
 
 
 def _blocks(head_dim: int) -> tuple[int, int, int]:
@@ -70,8 +78,22 @@ def _blocks(head_dim: int) -> tuple[int, int, int]:
   return c.tile_rows(True), c.block_n, c.fold_keys
 
 
+def _contiguous(k, v, seqs, page: int):
+  """A paged cache's sequences copied out as contiguous rows (sequence b's
+  keys from row ``b * blocks * page``), and seqs to match: what the
+  reference reads (the kernels read the blocks where they lie)."""
+  tables = seqs[4:].T                                   # [n_seqs, blocks]
+  n_seqs, blocks = tables.shape
+  rows = (tables[:, :, None] * page
+          + jnp.arange(page, dtype=jnp.int32)).reshape(-1)
+  starts = jnp.arange(n_seqs, dtype=jnp.int32) * (blocks * page)
+  return k[rows], v[rows], seqs[:4].at[2].set(starts)
+
+
 def _reference_fwd(q, k, v, seqs, settings: Settings):
   _, block_n, fold_keys = _blocks(settings.head_dim)
+  if settings.page:
+    k, v, seqs = _contiguous(k, v, seqs, settings.page)
   return reference.attention(q, k, v, seqs, scale=settings.scale,
                              block_n=block_n, fold_keys=fold_keys,
                              softcap=settings.softcap, window=settings.window)
@@ -119,15 +141,18 @@ def _triton_fwd(q, k, v, seqs, settings: Settings):
   tokens = config.tile_rows(bool(settings.split_chunks)) // hpt
   tiles = _tiles(seqs, 1, tokens, q.shape[0], settings)
   return kernels.forward_jax(q, k, v, seqs, tiles, _statics(settings),
-                             config, hpt, settings.split_chunks)
+                             config, hpt, settings.split_chunks,
+                             settings.page)
 
 
 def sm90_takes(settings: Settings, dtype) -> bool:
   """Whether the Hopper forward runs this call (else the Triton kernels:
   the same bits). It takes the training and prefill forward, not a split
-  decode step or a logit softcap, at head dims 64 and 128."""
+  decode step, a paged cache or a logit softcap, at head dims 64 and
+  128."""
   import cuda_ffi
-  return (settings.split_chunks == 0 and settings.softcap is None
+  return (settings.split_chunks == 0 and settings.page == 0
+          and settings.softcap is None
           and settings.heads_per_tile == 1
           and settings.head_dim in cuda_ffi.ATTENTION_HEAD_DIMS
           and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
@@ -263,6 +288,11 @@ def rlk_attention_backward(impl, settings, q, k, v, seqs, out, lse, g):
   """The backward as one named call: ``batch_invariant`` binds a jit named
   ``rlk_...`` whole when it rewrites a traced backward, so these bits stay
   the kernels' own."""
+  if settings.page:
+    raise NotImplementedError(
+        "det_attention: no gradients through a paged KV cache (a rollout's "
+        "cache); the training forward takes the packed, padded or "
+        "contiguous-cache layouts, which give the same bits")
   return TABLE.implementations[impl].fn[1](q, k, v, seqs, settings, out, lse,
                                            g)
 
@@ -343,6 +373,42 @@ def _cache_seqs(b: int, n: int, s_cache: int, kv_lens, kv_start):
                     kv_lens])
 
 
+def _paged_seqs(b: int, n: int, n_blocks: int, page: int, kv_lens,
+                block_tables):
+  """A paged cache's sequences: each one's four rows (its keys counted
+  from 0 in its own blocks) and then its block table, ``[4 + blocks,
+  B]``: the kernels read sequence s's logical block j at ``seqs[4 + j,
+  s]``."""
+  kv_lens = _i32(kv_lens, "kv_lens")
+  tables = _i32(block_tables, "block_tables")
+  if kv_lens.shape != (b,):
+    raise ValueError(f"det_attention: kv_lens must be [B] = [{b}], got "
+                     f"{kv_lens.shape}")
+  if tables.ndim != 2 or tables.shape[0] != b or tables.shape[1] < 1:
+    raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
+                     f"[{b}, >= 1], got {tables.shape}")
+  slots = tables.shape[1] * page
+  if not isinstance(kv_lens, jax.core.Tracer) and bool(
+      jnp.any((kv_lens < n) | (kv_lens > slots))):
+    raise ValueError(
+        f"det_attention: each sequence needs n={n} <= kv_lens <= its "
+        f"{tables.shape[1]} blocks x {page} = {slots} slots; got kv_lens "
+        f"{kv_lens.tolist()}")
+  if not isinstance(tables, jax.core.Tracer):
+    # Blocks a sequence uses (past its length the table is not read).
+    used = (jnp.arange(tables.shape[1])[None] * page) < kv_lens[:, None]
+    bad = used & ((tables < 0) | (tables >= n_blocks))
+    if bool(jnp.any(bad)) and not isinstance(kv_lens, jax.core.Tracer):
+      raise ValueError(
+          f"det_attention: block_tables name blocks outside the cache's "
+          f"{n_blocks} (rows {sorted(set(jnp.nonzero(bad)[0].tolist()))})")
+  zeros = jnp.zeros((b,), jnp.int32)
+  return jnp.concatenate([
+      jnp.stack([jnp.arange(b, dtype=jnp.int32) * n,
+                 jnp.full((b,), n, jnp.int32), zeros, kv_lens]),
+      tables.T])
+
+
 def _masked_seqs(mask, segments: int):
   """Sequences of a dense ``[B, n, S]`` mask, at most `segments` a batch
   row, and whether each batch row's mask is the one they imply.
@@ -401,8 +467,8 @@ def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
   block_m, _, fold = _blocks(q_shape[-1])
   b, n, s_cache, hkv = q_shape[0], q_shape[1], k_shape[1], k_shape[2]
   # A masked call of a few rows against more keys is a cache step.
-  if layout != "kv cache" and not (layout == "masked" and n < s_cache
-                                   and n * group <= block_m):
+  if layout not in ("kv cache", "paged cache") and not (
+      layout == "masked" and n < s_cache and n * group <= block_m):
     return 1, 0
   chunks = -(-s_cache // fold)
   hpt = 1
@@ -413,8 +479,19 @@ def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:
 
 
 def layout_of(q_ndim: int, cu_seqlens, info, mask, kv_lens, kv_start,
-              attn_mask=None):
+              attn_mask=None, block_tables=None):
   """(layout name, cu_seqlens) from which layout arguments a call gives."""
+  if block_tables is not None:
+    if kv_lens is None or q_ndim != 4:
+      raise ValueError("det_attention: block_tables (a paged KV cache) go "
+                       "with [B, n, H, D] queries and kv_lens")
+    if kv_start is not None:
+      raise ValueError("det_attention: a paged cache's sequences start at "
+                       "their first block; kv_start is for a contiguous "
+                       "cache")
+    if any(x is not None for x in (cu_seqlens, info, mask, attn_mask)):
+      raise ValueError("det_attention: block_tables go with kv_lens alone")
+    return "paged cache", None
   if sum(x is not None for x in (cu_seqlens, info, mask, kv_lens,
                                  attn_mask)) > 1:
     raise ValueError("det_attention: give at most one of cu_seqlens, info, "
@@ -471,7 +548,8 @@ def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
   if hkv == 0 or hq % hkv:
     raise ValueError(f"det_attention: {hq} query heads are not a multiple of "
                      f"{hkv} KV heads")
-  if layout not in ("kv cache", "masked") and k_shape[:lead] != q_shape[:lead]:
+  if (layout not in ("kv cache", "masked", "paged cache")
+      and k_shape[:lead] != q_shape[:lead]):
     raise ValueError(f"det_attention ({layout}): q {q_shape} and k {k_shape} "
                      "must have the same tokens")
   if layout in ("kv cache", "masked") and k_shape[0] != q_shape[0]:
@@ -485,7 +563,8 @@ def check_operands(q_shape, k_shape, v_shape, dtypes, layout: str, *,
 
 
 def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
-                  kv_lens=None, kv_start=None, attn_mask=None,
+                  kv_lens=None, kv_start=None, block_tables=None,
+                  attn_mask=None,
                   segments_per_row: int = 1, scale: float | None = None,
                   causal: bool = True, sliding_window: int | None = None,
                   softcap: float | None = None, return_lse: bool = False,
@@ -513,6 +592,11 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
       its slot; up to `segments_per_row` sequences a batch row (a pack).
       Rows that are not tokens give 0; a batch row whose mask is anything
       else gives NaN rows (a sliding window is not read from a mask).
+    block_tables: int ``[B, blocks]``, with ``kv_lens``: a paged KV cache
+      as vLLM lays it out, k and v ``[num_blocks, page, Hkv, D]``; sequence
+      b's key j lies in block ``block_tables[b, j // page]`` at slot ``j %
+      page``. The same bits as the keys in a contiguous cache; forward
+      only (a rollout's cache).
     return_lse: also return the f32 log-sum-exp per row and head, shaped
       like q without its last axis (what the backward uses).
 
@@ -523,7 +607,7 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   """
   q, k, v = (jnp.asarray(x) for x in (q, k, v))
   layout, cu_seqlens = layout_of(q.ndim, cu_seqlens, info, mask, kv_lens,
-                                 kv_start, attn_mask)
+                                 kv_start, attn_mask, block_tables)
   check_operands(q.shape, k.shape, v.shape,
                  tuple(str(x.dtype) for x in (q, k, v)), layout,
                  causal=causal, sliding_window=sliding_window, softcap=softcap)
@@ -555,12 +639,20 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
     seqs, fits = _masked_seqs(jnp.broadcast_to(attn_mask, (b, n, s_k)),
                               int(segments_per_row))
     bad_rows = jnp.repeat(~fits, n)
+  elif layout == "paged cache":
+    b, n = q.shape[:2]
+    page = k.shape[1]
+    seqs = _paged_seqs(b, n, k.shape[0], page, kv_lens, block_tables)
   else:
     b, n = q.shape[:2]
     seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)
   # A KV-cache call splits its keys over programs and may pack a KV head's
-  # query heads into one program (decode_plan): neither moves a bit.
-  heads_per_tile, split_chunks = decode_plan(layout, q.shape, k.shape, group)
+  # query heads into one program (decode_plan): neither moves a bit. A
+  # paged cache is planned as the contiguous cache of its tables' slots.
+  cache_shape = ((b, (seqs.shape[0] - 4) * k.shape[1]) + k.shape[2:]
+                 if layout == "paged cache" else k.shape)
+  heads_per_tile, split_chunks = decode_plan(layout, q.shape, cache_shape,
+                                             group)
   # A padded batch without a mask and one packed sequence leave no row
   # outside a sequence; a KV-cache step none among its queries.
   all_rows_in = ((layout == "padded" and mask is None)
@@ -569,11 +661,12 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
                                       else scale),
                       None if softcap is None else float(softcap),
                       None if sliding_window is None else int(sliding_window),
-                      heads_per_tile, split_chunks, all_rows_in)
+                      heads_per_tile, split_chunks, all_rows_in,
+                      k.shape[1] if layout == "paged cache" else 0)
   impl = TABLE.select(implementation).name
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention_jit(impl, settings, flat(q), flat(k), flat(v), seqs)
-  if not (all_rows_in or layout == "kv cache"):
+  if not (all_rows_in or layout in ("kv cache", "paged cache")):
     # Rows no sequence covers: 0 (the kernels leave them unwritten).
     covered = covered_rows(seqs[0], seqs[1], out.shape[0])
     out = jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype))

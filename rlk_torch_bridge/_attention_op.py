@@ -31,18 +31,19 @@ from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, float scale, "
                   "float? softcap, int? window, int heads_per_tile, "
-                  "int split_chunks, bool zero_outside, str? implementation) "
-                  "-> (Tensor, Tensor)")
+                  "int split_chunks, bool zero_outside, str? implementation, "
+                  "int page=0) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
                    "Tensor lse, Tensor g, float scale, float? softcap, "
                    "int? window, str implementation) "
                    "-> (Tensor, Tensor, Tensor)")
 
 
-def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0):
+def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0,
+             page=0):
   hq, d = q.shape[1:]
   return _attention.Settings(hq // k.shape[-2], d, scale, softcap, window,
-                             heads_per_tile, split_chunks)
+                             heads_per_tile, split_chunks, page=page)
 
 
 # The implementations whose kernels launch natively on torch's stream: the
@@ -190,10 +191,10 @@ def _fill_outside(x, starts, lengths, n_rows, value):
 
 
 def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                    split_chunks, zero_outside, implementation):
+                    split_chunks, zero_outside, implementation, page=0):
   impl = choose(implementation, platform_of(q))
   out, lse = _forward_rows(q, k, v, seqs, scale, softcap, window,
-                           heads_per_tile, split_chunks, impl)
+                           heads_per_tile, split_chunks, impl, page)
   if zero_outside:
     # Rows outside every sequence (a pack's spare capacity, padding): 0,
     # lse -inf. The kernels' outputs are fresh: filled in place.
@@ -208,9 +209,10 @@ def _forward_kernel(q, k, v, seqs, scale, softcap, window, heads_per_tile,
 
 
 def _forward_rows(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                  split_chunks, impl):
+                  split_chunks, impl, page=0):
   """(out, lse) of implementation `impl` (already chosen)."""
-  s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks)
+  s = settings(q, k, scale, softcap, window, heads_per_tile, split_chunks,
+               page)
   if (impl == "cuda_ffi" and q.is_cuda
       and _attention.sm90_takes(s, _jax_dtype(q.dtype))
       and _tma_aligned(q, k, v)):
@@ -229,7 +231,7 @@ def _forward_rows(q, k, v, seqs, scale, softcap, window, heads_per_tile,
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     kernels.forward_torch(q, k, v, seqs, tiles, out, lse,
                           _attention._statics(s), config, heads_per_tile,
-                          split_chunks)
+                          split_chunks, page)
     return out, lse
   _refuse_in_place(impl, k)
   _library.refuse_capture("det_attention", impl, q.device)
@@ -283,7 +285,7 @@ def _sm90_forward(q, k, v, seqs, s):
 
 
 def _forward_fake(q, k, v, seqs, scale, softcap, window, heads_per_tile,
-                  split_chunks, zero_outside, implementation):
+                  split_chunks, zero_outside, implementation, page=0):
   return (torch.empty_like(q),
           q.new_empty(q.shape[:2], dtype=torch.float32))
 
@@ -350,11 +352,12 @@ class DetAttention(torch.autograd.Function):
 
   @staticmethod
   def forward(ctx, q, k, v, seqs, scale, softcap, window, heads_per_tile,
-              split_chunks, zero_outside, implementation):
+              split_chunks, zero_outside, implementation, page=0):
     impl = choose(implementation, platform_of(q))
     out, lse = _library.below_autograd(
         FORWARD, q, k, v, seqs, scale, softcap, window, heads_per_tile,
-        split_chunks, zero_outside, impl)
+        split_chunks, zero_outside, impl, page)
+    ctx.page = page
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, seqs, out, lse)
     ctx.static = (scale, softcap, window, impl)
@@ -363,11 +366,16 @@ class DetAttention(torch.autograd.Function):
   @staticmethod
   @torch.autograd.function.once_differentiable
   def backward(ctx, g, _):
+    if ctx.page:
+      raise NotImplementedError(
+          "det_attention: no gradients through a paged KV cache (a "
+          "rollout's cache); the training forward takes the packed, padded "
+          "or contiguous-cache layouts, which give the same bits")
     q, k, v, seqs, out, lse = ctx.saved_tensors
     g = torch.zeros_like(out) if g is None else g.to(q.dtype).contiguous()
     dq, dk, dv = _library.below_autograd(BACKWARD, q, k, v, seqs, out, lse, g,
                                          *ctx.static)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _differentiable(q, k, v, *_):

@@ -1,7 +1,8 @@
 """``rlk_jax.det_attention`` for torch: batch-invariant causal attention in
-the same three layouts (packed, padded, KV cache), the same bits as the JAX
-op on the same device, as the operators ``torch.ops.rlk.det_attention`` and
-``torch.ops.rlk.det_attention_backward``."""
+the same layouts (packed, padded, KV cache, paged KV cache), the same bits
+as the JAX op on the same device, as the operators
+``torch.ops.rlk.det_attention`` and ``torch.ops.rlk.det_attention_backward``.
+"""
 
 from __future__ import annotations
 
@@ -87,9 +88,44 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
+def _paged_seqs(q, k, kv_lens, block_tables):
+  """rlk_jax's paged-cache sequences in torch: each sequence's four rows,
+  then its block table (``[4 + blocks, B]``)."""
+  dev = q.device
+  b, n = q.shape[:2]
+  n_blocks, page = k.shape[:2]
+  kv_lens = _ints(kv_lens, "kv_lens", dev)
+  tables = _ints(block_tables, "block_tables", dev)
+  if tuple(kv_lens.shape) != (b,):
+    raise ValueError(f"det_attention: kv_lens must be [B] = [{b}], got "
+                     f"{tuple(kv_lens.shape)}")
+  if tables.ndim != 2 or tables.shape[0] != b or tables.shape[1] < 1:
+    raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
+                     f"[{b}, >= 1], got {tuple(tables.shape)}")
+  slots = tables.shape[1] * page
+  if dev.type != "cuda":  # (on CUDA: no host sync, as for kv_lens)
+    if bool(((kv_lens < n) | (kv_lens > slots)).any()):
+      raise ValueError(
+          f"det_attention: each sequence needs n={n} <= kv_lens <= its "
+          f"{tables.shape[1]} blocks x {page} = {slots} slots; got kv_lens "
+          f"{kv_lens.tolist()}")
+    used = (torch.arange(tables.shape[1], device=dev)[None] * page
+            < kv_lens[:, None])
+    bad = used & ((tables < 0) | (tables >= n_blocks))
+    if bool(bad.any()):
+      raise ValueError(
+          f"det_attention: block_tables name blocks outside the cache's "
+          f"{n_blocks} (rows {sorted(set(torch.nonzero(bad)[:, 0].tolist()))})")
+  q_start, q_len, zeros = _attention_op.static_rows(
+      dev, (("arange", b, n), ("full", b, n), ("full", b, 0)))
+  return torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]),
+                    tables.T])
+
+
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   cu_seqlens=None, info=None, mask=None, kv_lens=None,
-                  kv_start=None, scale: float | None = None,
+                  kv_start=None, block_tables=None,
+                  scale: float | None = None,
                   causal: bool = True, sliding_window: int | None = None,
                   softcap: float | None = None, return_lse: bool = False,
                   implementation: str | None = None):
@@ -102,20 +138,28 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_tensor("det_attention", name, t)
   check_same_device("det_attention", q=q, k=k, v=v)
   layout, cu_seqlens = _attention.layout_of(q.ndim, cu_seqlens, info, mask,
-                                            kv_lens, kv_start)
+                                            kv_lens, kv_start,
+                                            block_tables=block_tables)
   _attention.check_operands(
       q.shape, k.shape, v.shape,
       tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v)), layout,
       causal=causal, sliding_window=sliding_window, softcap=softcap)
   hq, d = q.shape[-2:]
   flat = lambda x: x.reshape((-1,) + tuple(x.shape[-2:])).contiguous()
-  in_place = layout != "packed" and _attention_op.readable_in_place(
-      k, v, implementation)
-  seqs, contiguous = _seqs(
-      layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
-      k.stride(0) // k.stride(1) if in_place else k.shape[1])
+  page = k.shape[1] if layout == "paged cache" else 0
+  in_place = layout not in ("packed", "paged cache") and (
+      _attention_op.readable_in_place(k, v, implementation))
+  if page:
+    seqs, contiguous = _paged_seqs(q, k, kv_lens, block_tables), None
+  else:
+    seqs, contiguous = _seqs(
+        layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
+        k.stride(0) // k.stride(1) if in_place else k.shape[1])
+  # A paged cache is planned as the contiguous cache of its tables' slots.
+  cache_shape = ((q.shape[0], (seqs.shape[0] - 4) * page) + tuple(k.shape[2:])
+                 if page else k.shape)
   heads_per_tile, split_chunks = _attention.decode_plan(
-      layout, q.shape, k.shape, hq // k.shape[-2])
+      layout, q.shape, cache_shape, hq // k.shape[-2])
   if not in_place:
     k, v = flat(k), flat(v)
   # Rows outside every sequence (a pack's spare capacity, padding) come
@@ -126,7 +170,7 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),
       heads_per_tile, split_chunks, layout == "packed" or mask is not None,
-      implementation)
+      implementation, page)
   if contiguous is not None:
     bad = (~contiguous).repeat_interleave(q.shape[1])
     out = out.masked_fill(bad[:, None, None], float("nan"))

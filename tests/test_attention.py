@@ -175,6 +175,81 @@ def test_decode_and_chunked_prefill_equal_prefill(route, rng):
     assert np.array_equal(f32_bits(lse[:, 0]), f32_bits(full_lse[positions]))
 
 
+def _paged(rng, page, lens, hkv, d, spare=3):
+  """A paged cache holding sequences of `lens` keys in shuffled blocks, its
+  block tables, and the same keys as a contiguous cache."""
+  b, blocks = len(lens), -(-max(lens) // page) + 1
+  n_blocks = b * blocks + spare
+  tables = rng.permutation(n_blocks)[:b * blocks].reshape(b, blocks)
+  kc, vc = (rng.standard_normal((n_blocks, page, hkv, d)) for _ in "kv")
+  return kc, vc, tables, kc[tables].reshape(b, blocks * page, hkv, d), (
+      vc[tables].reshape(b, blocks * page, hkv, d))
+
+
+@pytest.mark.parametrize("page", [16, 12])
+def test_paged_cache_gives_the_contiguous_caches_bits(route, rng, page):
+  """vLLM's layout: k, v [num_blocks, page, Hkv, D] and a block table per
+  sequence. A decode step (one token) and a chunk of three against it give
+  the bits of the same keys in a contiguous cache (and so the prefill's)."""
+  hq, hkv, d = HEADS
+  lens = [40, 7, 600] if ON_GPU else [40, 7, 23]
+  kc, vc, tables, kcont, vcont = _paged(rng, page, lens, hkv, d)
+  for n in (1, 3):
+    q = route.array(rng.standard_normal((len(lens), n, hq, d)))
+    got, got_lse = route.attend(q, route.array(kc), route.array(vc),
+                                kv_lens=route.ints(lens),
+                                block_tables=route.ints(tables),
+                                return_lse=True)
+    want, want_lse = route.attend(q, route.array(kcont), route.array(vcont),
+                                  kv_lens=route.ints(lens), return_lse=True)
+    assert same_bits(got, want), n
+    assert np.array_equal(f32_bits(got_lse), f32_bits(want_lse)), n
+
+
+def test_paged_cache_has_no_gradient(rng):
+  hq, hkv, d = HEADS
+  kc, vc, tables, _, _ = _paged(rng, 16, [9, 20], hkv, d)
+  q = jnp.asarray(rng.standard_normal((2, 1, hq, d)), jnp.bfloat16)
+  f = lambda q: rlk_jax.det_attention(
+      q, jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16),
+      kv_lens=jnp.array([9, 20]), block_tables=jnp.asarray(tables)).sum()
+  with pytest.raises(NotImplementedError, match="paged KV cache"):
+    jax.grad(f)(q)
+  t = TorchRoute()
+  qt = t.array(np.asarray(q, np.float32)).requires_grad_()
+  out = t.attend(qt, t.array(kc), t.array(vc), kv_lens=t.ints([9, 20]),
+                 block_tables=t.ints(tables))
+  with pytest.raises(NotImplementedError, match="paged KV cache"):
+    out.float().sum().backward()
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(kv_start=[0, 0]), "kv_start is for a contiguous cache"),
+    (dict(kv_lens=[9, 80]), "kv_lens <= its 3 blocks x 16 = 48 slots"),
+    (dict(table=(1, 99, 0)), "outside the cache's 9"),
+    (dict(table_shape=(3, 3)), "block_tables must be \\[B, blocks\\]"),
+    (dict(no_lens=True), "go with \\[B, n, H, D\\] queries and kv_lens"),
+])
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_bad_paged_input_raises_naming_it(rng, bad, message, framework):
+  hq, hkv, d = HEADS
+  r = JaxRoute() if framework == "jax" else TorchRoute()
+  kc = r.array(rng.standard_normal((9, 16, hkv, d)))
+  tables = np.array([[0, 1, 2], [3, 4, 5]])
+  if "table" in bad:
+    tables[1] = bad["table"]
+  if "table_shape" in bad:
+    tables = np.zeros(bad["table_shape"], int)
+  kw = dict(kv_lens=r.ints(bad.get("kv_lens", [9, 30])),
+            block_tables=r.ints(tables))
+  if "kv_start" in bad:
+    kw["kv_start"] = r.ints(bad["kv_start"])
+  if "no_lens" in bad:
+    del kw["kv_lens"]
+  with pytest.raises(ValueError, match=message):
+    r.attend(r.array(np.ones((2, 1, hq, d))), kc, kc, **kw)
+
+
 def test_torch_reads_transposed_caches_with_the_same_bits(rng):
   """Keys and values as transformers hands them over, [B, Hkv, S, D]
   transposed (on a GPU the Triton kernels read them in place), against the

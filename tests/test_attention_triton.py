@@ -42,14 +42,14 @@ def _seqs(rows):  # [(q_start, q_len, k_start, k_len)] -> int32 [4, B]
 
 
 def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0,
-            config=CONFIG):
+            config=CONFIG, page=0):
   tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
   tiles = _attention_op._tile_map(seqs[1], tokens, kernels.tile_bound(
       q.shape[0], seqs.shape[1], tokens))
   out = torch.full_like(q, float("nan"))  # poisoned: every row is written
   lse = torch.full(q.shape[:2], float("nan"), device=q.device)
   return kernels.forward_torch(q, k, v, seqs, tiles, out, lse, statics,
-                               config, heads_per_tile, split_chunks)
+                               config, heads_per_tile, split_chunks, page)
 
 
 def backward(q, k, v, seqs, g, statics):
@@ -114,6 +114,38 @@ def test_decode_equals_prefill(rng, heads_per_tile, split, window, d):
                        chunks, config=config)
     assert np.array_equal(bits(out[0]), bits(full[pos])), pos
     assert torch.equal(lse[0], full_lse[pos])
+
+
+@pytest.mark.parametrize("page", [4, 12, 16])
+@pytest.mark.parametrize("n,hpt,window,softcap", [(1, 1, None, None),
+                                                  (3, 2, 7, None),
+                                                  (1, 1, None, 5.0)])
+def test_paged_cache_gives_the_contiguous_caches_bits(rng, page, n, hpt,
+                                                      window, softcap):
+  """Sequences whose keys lie in shuffled blocks of a paged cache (page
+  sizes that do and do not divide the kernels' key blocks): the bits of
+  the same keys in a contiguous cache, output and lse."""
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, softcap, window)
+  lens = [n, n + 2, 37, 50]                 # keys, the n new ones included
+  b, blocks = len(lens), -(-max(lens) // page) + 1
+  n_blocks = b * blocks + 3                 # spare blocks nobody uses
+  tables = rng.permutation(n_blocks)[:b * blocks].reshape(b, blocks)
+  kc, vc = (rng.standard_normal((n_blocks * page, HKV, D)) for _ in "kv")
+  q = rng.standard_normal((b * n, HQ, D))
+  rows = (tables[:, :, None] * page + np.arange(page)).reshape(-1)
+  chunks = -(-(blocks * page) // CONFIG.fold_keys)
+  contiguous = _seqs([(i * n, n, i * blocks * page, length)
+                      for i, length in enumerate(lens)])
+  paged = torch.cat([_seqs([(i * n, n, 0, length)
+                            for i, length in enumerate(lens)]),
+                     torch.tensor(tables.T.astype(np.int32), device=DEVICE)])
+  want, want_lse = forward(_t(q), _t(kc[rows]), _t(vc[rows]), contiguous,
+                           statics, hpt, chunks)
+  got, got_lse = forward(_t(q), _t(kc), _t(vc), paged, statics, hpt, chunks,
+                         page=page)
+  assert np.array_equal(bits(got), bits(want))
+  assert torch.equal(got_lse, want_lse)
+  assert not torch.isnan(got.float()).any()
 
 
 @pytest.mark.parametrize("n,hpt,window,softcap", [(1, 1, None, None),

@@ -191,12 +191,22 @@ if triton is not None:
   @triton.jit
   def _fwd_block(q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len,
                  pos, row_ok, d, stride_kt, stride_vt, scale2, softcap2,
-                 window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
-                 MASKED: tl.constexpr, INTERPRETED: tl.constexpr):
+                 window, pages, page_stride, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                 WINDOWED: tl.constexpr, MASKED: tl.constexpr,
+                 PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
     """One key block of the online softmax for every row of the tile."""
     j = start + tl.arange(0, BLOCK_N)
-    kv_rows = (k_start + j).to(tl.int64)
+    if PAGE == 0:
+      kv_rows = (k_start + j).to(tl.int64)
+    else:
+      # A paged cache: the sequence's key j lies in its logical block
+      # j // PAGE, which its table row (`pages`, one entry every
+      # `page_stride`) maps to a physical block. Only addresses change:
+      # the block walk and the arithmetic are a contiguous cache's.
+      block = tl.load(pages + (j // PAGE) * page_stride, mask=j < k_len,
+                      other=0)
+      kv_rows = block.to(tl.int64) * PAGE + j % PAGE
     if MASKED:
       in_seq = j < k_len
       kt = tl.load(k_base + kv_rows[None, :] * stride_kt + d[:, None],
@@ -226,9 +236,10 @@ if triton is not None:
   @triton.jit
   def _fwd_chunk(q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos,
                  row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr,
-                 WINDOWED: tl.constexpr, INTERPRETED: tl.constexpr):
+                 pages, page_stride, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                 PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
     """(m, l, acc) of keys [c_lo, c_hi) for every row, from a fresh state.
     Blocks below `full` are visible to every row: no masks there (a mask
     that keeps every score changes none, and every row's running max is
@@ -240,13 +251,15 @@ if triton is not None:
     for start in range(c_lo, split, BLOCK_N):
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
-          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-          BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, INTERPRETED)
+          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
+          page_stride, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, PAGE,
+          INTERPRETED)
     for start in range(split, c_hi, BLOCK_N):
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
-          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-          BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, INTERPRETED)
+          row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
+          page_stride, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, PAGE,
+          INTERPRETED)
     return m_i, l_i, acc
 
   @triton.jit
@@ -338,8 +351,8 @@ if triton is not None:
         m, l, acc = _fwd_chunk(
             q, k_base, v_base, tl.maximum(c0, lo), tl.minimum(c0 + FOLD, hi),
             full, k_start, k_len, pos, row_ok, d, stride_kt, stride_vt,
-            scale2, softcap2, window, BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP,
-            WINDOWED, INTERPRETED)
+            scale2, softcap2, window, seqs_ptr, n_seqs, BLOCK_M, BLOCK_N,
+            HEAD_DIM, SOFTCAP, WINDOWED, 0, INTERPRETED)
         m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m, l, acc)
       norm, lse = _finish(m_run, l_run)
       out = acc_run / norm[:, None]
@@ -358,10 +371,12 @@ if triton is not None:
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
+                        PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
     # One chunk (program axis 2) of one tile: its (m, l, acc) partials,
     # f32, [chunk, row, head] (a chunk outside the tile's keys: the empty
-    # partial, which folds as nothing).
+    # partial, which folds as nothing). PAGE > 0: k and v are a paged
+    # cache's rows and seqs carries each sequence's block table after its
+    # four rows ([4 + blocks, n_seqs]).
     seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
                                                         n_seqs)
     if seq >= 0:
@@ -373,10 +388,11 @@ if triton is not None:
       c_lo = tl.maximum(c0, lo)
       c_hi = tl.minimum(c0 + FOLD, hi)
       c_hi = tl.maximum(c_hi, c_lo)        # empty past the tile's keys
+      pages = seqs_ptr + 4 * n_seqs + seq
       m, l, acc = _fwd_chunk(
           q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos, row_ok,
-          d, stride_kt, stride_vt, scale2, softcap2, window, BLOCK_M,
-          BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, INTERPRETED)
+          d, stride_kt, stride_vt, scale2, softcap2, window, pages, n_seqs,
+          BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, PAGE, INTERPRETED)
       n_heads = tl.num_programs(1) * HEADS_PER_TILE
       slot = (tl.program_id(2).to(tl.int64) * n_rows + q_rows) * n_heads + head
       tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc,
@@ -658,31 +674,44 @@ _COMBINE_BLOCK = 16
 _COMBINE_BLOCK_D = 32
 
 
-def _fwd_meta(statics, config, heads_per_tile, interpreted_, split):
-  return dict(statics.constants(), HEADS_PER_TILE=heads_per_tile,
+def _fwd_meta(statics, config, heads_per_tile, interpreted_, split,
+              page=0):
+  meta = dict(statics.constants(), HEADS_PER_TILE=heads_per_tile,
               BLOCK_M=config.tile_rows(split), BLOCK_N=config.block_n,
               FOLD=config.fold_keys, INTERPRETED=interpreted_)
+  if split:  # (only the split kernel reads a paged cache)
+    meta["PAGE"] = page
+  elif page:
+    raise ValueError("a paged KV cache is read by the split (decode) "
+                     "kernels only")
+  return meta
 
 
 @functools.lru_cache(maxsize=256)
-def _fwd_launch(statics, config, heads_per_tile, interpreted_, split):
+def _fwd_launch(statics, config, heads_per_tile, interpreted_, split,
+                page=0):
   """(constexprs, the Launcher's key) of a torch forward launch: a decode
   step asks once per layer with the same settings."""
-  meta = _fwd_meta(statics, config, heads_per_tile, interpreted_, split)
+  meta = _fwd_meta(statics, config, heads_per_tile, interpreted_, split,
+                   page)
   return meta, (tuple(meta.values()), config.warps(split), config.num_stages)
 
 
 def forward_jax(q, k, v, seqs, tiles, statics: Statics,
                 config: AttentionConfig, heads_per_tile: int,
-                split_chunks: int = 0):
+                split_chunks: int = 0, page: int = 0):
   """(out [Tq, Hq, D] in q's dtype, lse [Tq, Hq] f32). Rows no tile covers
   are not written (the caller masks them). `split_chunks` > 0: each tile's
   key chunks run in parallel programs (at most that many chunks a
-  sequence) and a second kernel folds them: the same bits, for decode."""
+  sequence) and a second kernel folds them: the same bits, for decode.
+  `page` > 0 (split only): k and v are the rows of a paged cache of
+  `page`-token blocks, and seqs is ``[4 + blocks, n_seqs]`` with each
+  sequence's block table after its four rows."""
   import jax
   tq, hq, d = q.shape
   grid = (tiles.shape[1], hq // heads_per_tile)
-  meta = _fwd_meta(statics, config, heads_per_tile, False, bool(split_chunks))
+  meta = _fwd_meta(statics, config, heads_per_tile, False, bool(split_chunks),
+                   page)
   if not split_chunks:
     strides = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                         "stride_vt", "stride_vh", "stride_ot", "stride_oh"),
@@ -726,13 +755,13 @@ def row_strides(*tensors):
 
 def forward_torch(q, k, v, seqs, tiles, out, lse, statics: Statics,
                   config: AttentionConfig, heads_per_tile: int,
-                  split_chunks: int = 0):
+                  split_chunks: int = 0, page: int = 0):
   """Writes out [Tq, Hq, D] and lse [Tq, Hq] (contiguous torch tensors);
-  `split_chunks` as in forward_jax. q is [Tq, Hq, D] with any token and
-  head strides; k and v are [Tk, Hkv, D] the same way or [B, S, Hkv, D]
-  read in place (`row_strides`; `seqs` counts their rows so)."""
+  `split_chunks` and `page` as in forward_jax. q is [Tq, Hq, D] with any
+  token and head strides; k and v are [Tk, Hkv, D] the same way or [B, S,
+  Hkv, D] read in place (`row_strides`; `seqs` counts their rows so)."""
   PreparedForward(q, k, v, seqs, tiles, statics, config, heads_per_tile,
-                  split_chunks)(q, k, v, out, lse)
+                  split_chunks, page)(q, k, v, out, lse)
   return out, lse
 
 
@@ -748,12 +777,12 @@ class PreparedForward:
 
   def __init__(self, q, k, v, seqs, tiles, statics: Statics,
                config: AttentionConfig, heads_per_tile: int,
-               split_chunks: int = 0):
+               split_chunks: int = 0, page: int = 0):
     tq, hq, d = q.shape
     grid = (tiles.shape[1], hq // heads_per_tile)
     split = bool(split_chunks)
     meta, key = _fwd_launch(statics, config, heads_per_tile, interpreted(),
-                            split)
+                            split, page)
     strides = row_strides(q, k, v)
     self._tables = (seqs, tiles)
     self._split = self._work = None
