@@ -327,11 +327,12 @@ def test_wanted_kernels_compile_first(tmp_path, monkeypatch):
   build.build(jobs=1, log=lines.append)
   stem = "det_gemm_kernels_" + "".join(map(str, last_variant)) + f"_{code}"
   core = {"pack_rows_kernels", "linear_logp_kernels", "attention_sm90_kernels",
-          "row_reduce_kernels", "det_gemm_api", "pack_rows_api"}
-  assert set(order[:6]) == core
-  assert order[6:8] == [stem.replace("kernels", "kernel_entry"), stem]
+          "row_reduce_kernels", "det_gemm_api", "pack_rows_api",
+          "triton_launch"}
+  assert set(order[:7]) == core
+  assert order[7:9] == [stem.replace("kernels", "kernel_entry"), stem]
   # A progress line per step: done of total, elapsed, an estimate.
-  assert re.search(r"\[7/54\] \d+m\d\ds, about \d+m\d\ds left",
+  assert re.search(r"\[8/55\] \d+m\d\ds, about \d+m\d\ds left",
                    "\n".join(lines))
 
 
@@ -381,7 +382,7 @@ def test_the_first_use_builds_in_a_background_process_once(
   assert build.complete(where), pathlib.Path(log).read_text()[-3000:]
   text = pathlib.Path(log).read_text()
   assert text.count("rlk: building the cuda_ffi SM90 library") == 1
-  assert "[54/54]" in text
+  assert "[55/55]" in text
   assert build.status_line(where).startswith("built:")
 
 
@@ -413,14 +414,14 @@ def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
   assert progress["failed"] == 0 and progress["last"] == "stopped", progress
   assert "stopped part-way" in build.status_line(where)
   kept = [p for p in (where.parent / "objects").glob("*.o")]
-  assert 4 <= len(kept) < 54 + 48, log  # (kernels have an entry each)
+  assert 4 <= len(kept) < 55 + 48, log  # (kernels have an entry each)
   second = subprocess.run(command, capture_output=True, text=True,
                           timeout=300, env={**os.environ,
                                             "RLK_TEST_NVCC_SECONDS": "0.01"})
   assert second.returncode == 0, second.stdout[-3000:]
   assert build.complete(where)
-  todo = re.search(r"(\d+) of 54 steps to do", second.stdout)
-  assert todo and int(todo.group(1)) < 54, second.stdout[:2000]
+  todo = re.search(r"(\d+) of 55 steps to do", second.stdout)
+  assert todo and int(todo.group(1)) < 55, second.stdout[:2000]
 
 
 def test_a_wheel_carries_the_prebuilt_library_and_checks_it_on_load(
@@ -494,7 +495,7 @@ def test_kept_objects_are_keyed_by_their_own_inputs_not_the_machines_paths(
   ffi_changed = {d.split("-")[0] for d in set(names(here)) - set(
       names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))}
   assert ffi_changed == {"det_gemm_api", "pack_rows_api", "linear_logp_kernels",
-                         "attention_sm90_kernels"}
+                         "attention_sm90_kernels", "triton_launch"}
   monkeypatch.setattr(build, "_tool_versions", lambda nvcc, cutlass: b"13.1")
   assert not set(names(here)) & set(
       names(_kept(objects, tmp_path / "here", tmp_path / "here" / "ffi")))
@@ -511,6 +512,7 @@ def test_every_source_is_part_of_the_build():
                      build.API_SOURCE.name, "pack_rows.h",
                      build.LOGP_SOURCE.name, build.ROW_REDUCE_SOURCE.name,
                      build.ATTENTION_SOURCE.name, build.ENTRY_SOURCE.name,
+                     build.TRITON_LAUNCH_SOURCE.name,
                      *(p.name for p in build.PACK_SOURCES)}
   assert pathlib.Path(build.KERNEL_SOURCE).is_file()
 
