@@ -378,7 +378,9 @@ def _paged_seqs(b: int, n: int, n_blocks: int, page: int, kv_lens,
   """A paged cache's sequences: each one's four rows (its keys counted
   from 0 in its own blocks) and then its block table, ``[4 + blocks,
   B]``: the kernels read sequence s's logical block j at ``seqs[4 + j,
-  s]``."""
+  s]``. And which sequences are well formed: concrete input that is not
+  raises; traced input's bad sequences come back NaN (never a read outside
+  the cache: the kernel bounds both)."""
   kv_lens = _i32(kv_lens, "kv_lens")
   tables = _i32(block_tables, "block_tables")
   if kv_lens.shape != (b,):
@@ -388,25 +390,27 @@ def _paged_seqs(b: int, n: int, n_blocks: int, page: int, kv_lens,
     raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
                      f"[{b}, >= 1], got {tables.shape}")
   slots = tables.shape[1] * page
-  if not isinstance(kv_lens, jax.core.Tracer) and bool(
-      jnp.any((kv_lens < n) | (kv_lens > slots))):
+  lengths_ok = (kv_lens >= n) & (kv_lens <= slots)
+  # Blocks a sequence uses (past its length the table is not read).
+  used = (jnp.arange(tables.shape[1])[None] * page) < kv_lens[:, None]
+  blocks_ok = ~jnp.any(used & ((tables < 0) | (tables >= n_blocks)), axis=1)
+  if not isinstance(lengths_ok, jax.core.Tracer) and not bool(
+      jnp.all(lengths_ok)):
     raise ValueError(
         f"det_attention: each sequence needs n={n} <= kv_lens <= its "
         f"{tables.shape[1]} blocks x {page} = {slots} slots; got kv_lens "
         f"{kv_lens.tolist()}")
-  if not isinstance(tables, jax.core.Tracer):
-    # Blocks a sequence uses (past its length the table is not read).
-    used = (jnp.arange(tables.shape[1])[None] * page) < kv_lens[:, None]
-    bad = used & ((tables < 0) | (tables >= n_blocks))
-    if bool(jnp.any(bad)) and not isinstance(kv_lens, jax.core.Tracer):
-      raise ValueError(
-          f"det_attention: block_tables name blocks outside the cache's "
-          f"{n_blocks} (rows {sorted(set(jnp.nonzero(bad)[0].tolist()))})")
+  if not isinstance(blocks_ok, jax.core.Tracer) and not bool(
+      jnp.all(blocks_ok)):
+    raise ValueError(
+        f"det_attention: block_tables name blocks outside the cache's "
+        f"{n_blocks} (rows {jnp.nonzero(~blocks_ok)[0].tolist()})")
   zeros = jnp.zeros((b,), jnp.int32)
-  return jnp.concatenate([
+  seqs = jnp.concatenate([
       jnp.stack([jnp.arange(b, dtype=jnp.int32) * n,
                  jnp.full((b,), n, jnp.int32), zeros, kv_lens]),
       tables.T])
+  return seqs, lengths_ok & blocks_ok
 
 
 def _masked_seqs(mask, segments: int):
@@ -642,7 +646,8 @@ def det_attention(q, k, v, *, cu_seqlens=None, info=None, mask=None,
   elif layout == "paged cache":
     b, n = q.shape[:2]
     page = k.shape[1]
-    seqs = _paged_seqs(b, n, k.shape[0], page, kv_lens, block_tables)
+    seqs, fits = _paged_seqs(b, n, k.shape[0], page, kv_lens, block_tables)
+    bad_rows = jnp.repeat(~fits, n)
   else:
     b, n = q.shape[:2]
     seqs = _cache_seqs(b, n, k.shape[1], kv_lens, kv_start)

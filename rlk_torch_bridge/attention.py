@@ -90,7 +90,9 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
 
 def _paged_seqs(q, k, kv_lens, block_tables):
   """rlk_jax's paged-cache sequences in torch: each sequence's four rows,
-  then its block table (``[4 + blocks, B]``)."""
+  then its block table (``[4 + blocks, B]``); and which sequences are well
+  formed (on CUDA not checked on the host: a bad one's rows come back NaN,
+  and the kernel reads inside the cache whatever the table says)."""
   dev = q.device
   b, n = q.shape[:2]
   n_blocks, page = k.shape[:2]
@@ -103,23 +105,24 @@ def _paged_seqs(q, k, kv_lens, block_tables):
     raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
                      f"[{b}, >= 1], got {tuple(tables.shape)}")
   slots = tables.shape[1] * page
+  lengths_ok = (kv_lens >= n) & (kv_lens <= slots)
+  used = (torch.arange(tables.shape[1], device=dev)[None] * page
+          < kv_lens[:, None])
+  blocks_ok = ~(used & ((tables < 0) | (tables >= n_blocks))).any(1)
   if dev.type != "cuda":  # (on CUDA: no host sync, as for kv_lens)
-    if bool(((kv_lens < n) | (kv_lens > slots)).any()):
+    if not bool(lengths_ok.all()):
       raise ValueError(
           f"det_attention: each sequence needs n={n} <= kv_lens <= its "
           f"{tables.shape[1]} blocks x {page} = {slots} slots; got kv_lens "
           f"{kv_lens.tolist()}")
-    used = (torch.arange(tables.shape[1], device=dev)[None] * page
-            < kv_lens[:, None])
-    bad = used & ((tables < 0) | (tables >= n_blocks))
-    if bool(bad.any()):
+    if not bool(blocks_ok.all()):
       raise ValueError(
           f"det_attention: block_tables name blocks outside the cache's "
-          f"{n_blocks} (rows {sorted(set(torch.nonzero(bad)[:, 0].tolist()))})")
+          f"{n_blocks} (rows {torch.nonzero(~blocks_ok)[:, 0].tolist()})")
   q_start, q_len, zeros = _attention_op.static_rows(
       dev, (("arange", b, n), ("full", b, n), ("full", b, 0)))
-  return torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]),
-                    tables.T])
+  return (torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]),
+                     tables.T]), lengths_ok & blocks_ok)
 
 
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -150,7 +153,8 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   in_place = layout not in ("packed", "paged cache") and (
       _attention_op.readable_in_place(k, v, implementation))
   if page:
-    seqs, contiguous = _paged_seqs(q, k, kv_lens, block_tables), None
+    # (`contiguous`: which sequences are well formed, as for a mask.)
+    seqs, contiguous = _paged_seqs(q, k, kv_lens, block_tables)
   else:
     seqs, contiguous = _seqs(
         layout, q, k, cu_seqlens, mask, kv_lens, kv_start,

@@ -206,6 +206,24 @@ def test_paged_cache_gives_the_contiguous_caches_bits(route, rng, page):
     assert np.array_equal(f32_bits(got_lse), f32_bits(want_lse)), n
 
 
+def test_traced_bad_paged_input_gives_nan_rows_not_stray_reads(rng):
+  """Under jit nothing can raise: a sequence whose table names a block
+  outside the cache, or whose length passes its table, comes back NaN;
+  the others keep their bits."""
+  hq, hkv, d = HEADS
+  kc, vc, tables, _, _ = _paged(rng, 16, [9, 20, 30], hkv, d, spare=0)
+  q = jnp.asarray(rng.standard_normal((3, 1, hq, d)), jnp.bfloat16)
+  kc, vc = (jnp.asarray(x, jnp.bfloat16) for x in (kc, vc))
+  f = jax.jit(lambda lens, tables: rlk_jax.det_attention(
+      q, kc, vc, kv_lens=lens, block_tables=tables, implementation=IMPL))
+  good = f(jnp.array([9, 20, 30]), jnp.asarray(tables))
+  bad_tables = np.array(tables)
+  bad_tables[0, 0] = 10 ** 6
+  out = f(jnp.array([9, 10 ** 4, 30]), jnp.asarray(bad_tables))
+  assert np.isnan(np.asarray(out[:2], np.float32)).all()
+  assert same_bits(out[2], good[2])
+
+
 def test_paged_cache_has_no_gradient(rng):
   hq, hkv, d = HEADS
   kc, vc, tables, _, _ = _paged(rng, 16, [9, 20], hkv, d)

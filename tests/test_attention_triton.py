@@ -148,6 +148,30 @@ def test_paged_cache_gives_the_contiguous_caches_bits(rng, page, n, hpt,
   assert not torch.isnan(got.float()).any()
 
 
+def test_paged_cache_bad_tables_and_lengths_read_inside_the_cache(rng):
+  """A table entry outside the cache and a length past the table (what no
+  host check sees on CUDA): the kernel still reads inside the cache and
+  the table, and the other sequences keep their bits (the front ends turn
+  the bad sequences' rows to NaN)."""
+  statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, None)
+  page, lens, blocks = 8, [9, 20, 14], 3
+  kc, vc = (rng.standard_normal((9 * page, HKV, D)) for _ in "kv")
+  q = rng.standard_normal((3, HQ, D))
+  tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32)
+  chunks = -(-(blocks * page) // CONFIG.fold_keys)
+
+  def run(tables, lens):
+    seqs = torch.cat([_seqs([(i, 1, 0, n) for i, n in enumerate(lens)]),
+                      torch.tensor(tables.T.copy(), device=DEVICE)])
+    return forward(_t(q), _t(kc), _t(vc), seqs, statics, 1, chunks,
+                   page=page)[0]
+  good = run(tables, lens)
+  bad_tables = tables.copy()
+  bad_tables[0, 1] = 10 ** 6
+  bad = run(bad_tables, [lens[0], 10 ** 4, lens[2]])
+  assert np.array_equal(bits(bad[2]), bits(good[2]))
+
+
 @pytest.mark.parametrize("n,hpt,window,softcap", [(1, 1, None, None),
                                                   (1, 2, 9, None),
                                                   (3, 1, None, 5.0)])

@@ -64,9 +64,28 @@ class TestOnCpu:
           ("*i32", "*bf16", "*bf16"), tuple(sorted(constexprs.items())), 4,
           1, 90)
 
-  def test_unsupported_array_dtype_is_named(self):
-    with pytest.raises(TypeError, match="complex64"):
-      jax_launch._pointer_type(jnp.complex64)
+  def test_a_dtype_without_a_pointer_type_goes_to_jax_triton(self):
+    assert jax_launch._pointer_type(jnp.complex64) is None
+    assert jax_launch.ffi_triton_call(
+        jnp.ones(4, jnp.complex64),
+        kernel=compiled_kernel(row_gather._gather_rows_kernel),
+        out_shape=jax.ShapeDtypeStruct((4,), jnp.complex64), grid=(1,),
+        capability=90) is None
+
+  def test_a_parameter_not_given_takes_its_default(self):
+    def kernel_fn(x_ptr, y_ptr, N: triton.language.constexpr,
+                  SCALE: triton.language.constexpr = 3.0):
+      offs = triton.language.arange(0, N)
+      triton.language.store(y_ptr + offs,
+                            triton.language.load(x_ptr + offs) * SCALE)
+    kernel = JITFunction(kernel_fn)
+    default = jax_launch.compile_kernel(kernel, ("*fp32", "*fp32"),
+                                        (("N", 64),), 4, 1, 90)
+    given = jax_launch.compile_kernel(kernel, ("*fp32", "*fp32"),
+                                      (("N", 64), ("SCALE", 3.0)), 4, 1, 90)
+    other = jax_launch.compile_kernel(kernel, ("*fp32", "*fp32"),
+                                      (("N", 64), ("SCALE", 2.0)), 4, 1, 90)
+    assert default.kernel_id == given.kernel_id != other.kernel_id
 
   def test_a_jitted_call_lowers_to_the_typed_ffi_call(self, monkeypatch):
     monkeypatch.setattr(jax_launch, "launcher_reason", lambda: None)

@@ -191,10 +191,11 @@ if triton is not None:
   @triton.jit
   def _fwd_block(q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len,
                  pos, row_ok, d, stride_kt, stride_vt, scale2, softcap2,
-                 window, pages, page_stride, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                 WINDOWED: tl.constexpr, MASKED: tl.constexpr,
-                 PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 window, pages, page_stride, n_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+                 MASKED: tl.constexpr, PAGE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """One key block of the online softmax for every row of the tile."""
     j = start + tl.arange(0, BLOCK_N)
     if PAGE == 0:
@@ -206,6 +207,9 @@ if triton is not None:
       # the block walk and the arithmetic are a contiguous cache's.
       block = tl.load(pages + (j // PAGE) * page_stride, mask=j < k_len,
                       other=0)
+      # A table entry outside the cache (input no host check saw: its rows
+      # come back NaN) still reads inside it.
+      block = tl.minimum(tl.maximum(block, 0), n_blocks - 1)
       kv_rows = block.to(tl.int64) * PAGE + j % PAGE
     if MASKED:
       in_seq = j < k_len
@@ -236,7 +240,7 @@ if triton is not None:
   @triton.jit
   def _fwd_chunk(q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos,
                  row_ok, d, stride_kt, stride_vt, scale2, softcap2, window,
-                 pages, page_stride, BLOCK_M: tl.constexpr,
+                 pages, page_stride, n_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
                  PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -252,14 +256,14 @@ if triton is not None:
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
           row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
-          page_stride, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False, PAGE,
-          INTERPRETED)
+          page_stride, n_blocks, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False,
+          PAGE, INTERPRETED)
     for start in range(split, c_hi, BLOCK_N):
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
           row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
-          page_stride, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True, PAGE,
-          INTERPRETED)
+          page_stride, n_blocks, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True,
+          PAGE, INTERPRETED)
     return m_i, l_i, acc
 
   @triton.jit
@@ -351,7 +355,7 @@ if triton is not None:
         m, l, acc = _fwd_chunk(
             q, k_base, v_base, tl.maximum(c0, lo), tl.minimum(c0 + FOLD, hi),
             full, k_start, k_len, pos, row_ok, d, stride_kt, stride_vt,
-            scale2, softcap2, window, seqs_ptr, n_seqs, BLOCK_M, BLOCK_N,
+            scale2, softcap2, window, seqs_ptr, n_seqs, 1, BLOCK_M, BLOCK_N,
             HEAD_DIM, SOFTCAP, WINDOWED, 0, INTERPRETED)
         m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m, l, acc)
       norm, lse = _finish(m_run, l_run)
@@ -363,7 +367,8 @@ if triton is not None:
 
   @triton.jit
   def _fwd_split_kernel(q_ptr, k_ptr, v_ptr, seqs_ptr, tiles_ptr, part_ptr,
-                        ml_ptr, n_seqs, n_rows, stride_qt, stride_qh,
+                        ml_ptr, n_seqs, n_rows, n_blocks, n_table,
+                        stride_qt, stride_qh,
                         stride_kt, stride_kh, stride_vt, stride_vh,
                         scale2: tl.constexpr, softcap2: tl.constexpr,
                         window: tl.constexpr, GROUP: tl.constexpr,
@@ -376,7 +381,7 @@ if triton is not None:
     # f32, [chunk, row, head] (a chunk outside the tile's keys: the empty
     # partial, which folds as nothing). PAGE > 0: k and v are a paged
     # cache's rows and seqs carries each sequence's block table after its
-    # four rows ([4 + blocks, n_seqs]).
+    # four rows ([4 + n_table, n_seqs]), naming blocks of n_blocks.
     seq, i0, q_start, q_len, k_start, k_len = _tile(tiles_ptr, seqs_ptr,
                                                         n_seqs)
     if seq >= 0:
@@ -389,10 +394,14 @@ if triton is not None:
       c_hi = tl.minimum(c0 + FOLD, hi)
       c_hi = tl.maximum(c_hi, c_lo)        # empty past the tile's keys
       pages = seqs_ptr + 4 * n_seqs + seq
+      # Keys past the table (a length no host check saw: those rows come
+      # back NaN) are read as outside the sequence, not past the table.
+      k_keys = tl.minimum(k_len, n_table * PAGE) if PAGE > 0 else k_len
       m, l, acc = _fwd_chunk(
-          q, k_base, v_base, c_lo, c_hi, full, k_start, k_len, pos, row_ok,
+          q, k_base, v_base, c_lo, c_hi, full, k_start, k_keys, pos, row_ok,
           d, stride_kt, stride_vt, scale2, softcap2, window, pages, n_seqs,
-          BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, PAGE, INTERPRETED)
+          n_blocks, BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, PAGE,
+          INTERPRETED)
       n_heads = tl.num_programs(1) * HEADS_PER_TILE
       slot = (tl.program_id(2).to(tl.int64) * n_rows + q_rows) * n_heads + head
       tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc,
@@ -697,6 +706,15 @@ def _fwd_launch(statics, config, heads_per_tile, interpreted_, split,
   return meta, (tuple(meta.values()), config.warps(split), config.num_stages)
 
 
+def _paged_blocks(k, page: int) -> int:
+  """The blocks a paged cache's rows hold (1 for a contiguous cache: the
+  split kernel's bound on a table entry, unused there)."""
+  if not page:
+    return 1
+  rows = k.shape[0] if len(k.shape) == 3 else k.shape[0] * k.shape[1]
+  return max(rows // page, 1)
+
+
 def forward_jax(q, k, v, seqs, tiles, statics: Statics,
                 config: AttentionConfig, heads_per_tile: int,
                 split_chunks: int = 0, page: int = 0):
@@ -731,7 +749,8 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
                  jax.ShapeDtypeStruct((split_chunks, tq, hq, 2), "float32")),
       grid=grid + (split_chunks,), num_warps=config.warps(True),
       num_stages=config.num_stages, name="rlk_det_attention_fwd_split",
-      n_seqs=seqs.shape[1], n_rows=tq, **strides, **meta)
+      n_seqs=seqs.shape[1], n_rows=tq, n_blocks=_paged_blocks(k, page),
+      n_table=seqs.shape[0] - 4, **strides, **meta)
   return jax_launch.triton_call(
       part, ml, kernel=_fwd_combine_kernel,
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -796,7 +815,9 @@ class PreparedForward:
     self._n_acc = split_chunks * tq * hq * d
     self._n_work = self._n_acc + split_chunks * tq * hq * 2
     self._split = _launch_split.prepared(
-        grid + (split_chunks,), key, (seqs.shape[1], tq, *strides),
+        grid + (split_chunks,), key,
+        (seqs.shape[1], tq, _paged_blocks(k, page), seqs.shape[0] - 4,
+         *strides),
         num_warps=config.warps(True), num_stages=config.num_stages, **meta)
     # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
     self._combine = _launch_combine.prepared(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 
 import numpy as np
 
@@ -54,12 +55,9 @@ def launcher_reason() -> str | None:
   return cuda_ffi.unavailable_reason("gpu", wait=False)
 
 
-def _pointer_type(dtype) -> str:
-  name = np.dtype(dtype).name
-  if name not in _POINTER_TYPES:
-    raise TypeError(f"triton_call: no Triton pointer type for an array of "
-                    f"dtype {name}")
-  return _POINTER_TYPES[name]
+def _pointer_type(dtype) -> str | None:
+  """Triton's pointer type of an array of `dtype` (None: none here)."""
+  return _POINTER_TYPES.get(np.dtype(dtype).name)
 
 
 @functools.lru_cache(maxsize=512)
@@ -75,10 +73,16 @@ def compile_kernel(kernel, pointer_types: tuple, constexprs: tuple,
   from triton.backends.nvidia.compiler import CUDABackend
   from triton.compiler import ASTSource
   names = list(kernel.arg_names)
-  constants = dict(constexprs)
   pointers = names[:len(pointer_types)]
-  # Parameters given neither way are left out of the signature, as
-  # jax-triton leaves them (the JAX routes never passed `INTERPRETED`).
+  # A parameter not given takes its default; one without a default is left
+  # out of the signature, as jax-triton leaves it (Triton binds it to None:
+  # the JAX routes never passed `INTERPRETED`).
+  defaults = {p.name: p.default
+              for p in inspect.signature(kernel.fn).parameters.values()
+              if p.default is not inspect.Parameter.empty}
+  constants = {n: defaults[n] for n in names[len(pointer_types):]
+               if n in defaults}
+  constants.update(constexprs)
   clash = [n for n in pointers if n in constants]
   if clash or len(pointers) < len(pointer_types):
     raise TypeError(
@@ -131,12 +135,14 @@ def ffi_triton_call(*arrays, kernel, out_shape, grid, name: str = "",
                     **constexprs):
   """The call through rlk's FFI handler (`capability`: the device's, by
   default), or None where the compiled kernel needs what the handler does
-  not give."""
+  not give or an array's dtype has no pointer type here."""
   import jax
   import cuda_ffi
   single = not isinstance(out_shape, (tuple, list))
   outs = (out_shape,) if single else tuple(out_shape)
   pointer_types = tuple(_pointer_type(a.dtype) for a in (*arrays, *outs))
+  if None in pointer_types:  # a dtype this launcher does not map
+    return None
   compiled = compile_kernel(
       kernel, pointer_types, tuple(sorted(constexprs.items())), num_warps,
       num_stages, capability or _device_capability())

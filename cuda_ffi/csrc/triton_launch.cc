@@ -49,7 +49,7 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 ffi::ErrorOr<cudaKernel_t> KernelFor(int64_t id, ffi::Span<const uint8_t> cubin,
                                      std::string_view name,
-                                     int64_t shared_bytes) {
+                                     int64_t shared_bytes, int64_t threads) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return ffi::Unexpected(CudaError(err, "device"));
@@ -68,13 +68,31 @@ ffi::ErrorOr<cudaKernel_t> KernelFor(int64_t id, ffi::Span<const uint8_t> cubin,
                             nullptr, nullptr, 0);
   if (err == cudaSuccess)
     err = cudaLibraryGetKernel(&kernel, library, std::string(name).c_str());
+  // Past 48 KB of shared memory, as Triton's own loader does: the opt-in
+  // size, and the carveout that prefers shared memory to L1.
   if (err == cudaSuccess && shared_bytes > 48 * 1024)
     err = cudaKernelSetAttributeForDevice(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(shared_bytes), device);
+  if (err == cudaSuccess && shared_bytes > 48 * 1024)
+    err = cudaKernelSetAttributeForDevice(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+        cudaSharedmemCarveoutMaxShared, device);
+  // Loads the module into this device's context here, inside the relaxed
+  // window (lazy loading would do it at the first launch, maybe under
+  // capture), and says whether the block fits the compiled kernel.
+  cudaFuncAttributes attributes{};
+  if (err == cudaSuccess)
+    err = cudaFuncGetAttributes(&attributes,
+                                reinterpret_cast<const void*>(kernel));
   cudaThreadExchangeStreamCaptureMode(&mode);
   if (err != cudaSuccess)
     return ffi::Unexpected(CudaError(err, "loading the kernel"));
+  if (attributes.maxThreadsPerBlock < threads)
+    return ffi::Unexpected(ffi::Error::Internal(
+        "rlk Triton launch: " + std::string(name) + " takes at most " +
+        std::to_string(attributes.maxThreadsPerBlock) + " threads a block, "
+        "launched with " + std::to_string(threads)));
   KernelTable().emplace(key, kernel);
   return kernel;
 }
@@ -88,7 +106,8 @@ ffi::Error TritonLaunchFfi(cudaStream_t stream, ffi::RemainingArgs args,
   if (grid.size() != 3)
     return ffi::Error::InvalidArgument("rlk Triton launch: grid needs 3 dims");
   if (grid[0] * grid[1] * grid[2] == 0) return ffi::Error::Success();
-  auto kernel = KernelFor(kernel_id, cubin, name, shared_bytes);
+  auto kernel = KernelFor(kernel_id, cubin, name, shared_bytes,
+                          32 * num_warps);
   if (kernel.has_error()) return kernel.error();
   std::vector<void*> pointers;
   pointers.reserve(args.size() + rets.size() + trailing_pointers);
