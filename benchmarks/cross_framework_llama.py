@@ -28,6 +28,13 @@ import rlk_jax
 from benchmarks import harness, tunix_client
 
 BENCH = "cross_framework_llama"
+# Tunix's Llama 3 attention calls `apply_rope` without its config's
+# `rope_theta`, so the model always rotates with that function's default
+# (1e6) whatever the config says; transformers' model is built with the
+# same value so that both sides compute one model (Llama 3's own 5e5 made
+# the whole-model logits differ by 83% of their largest magnitude at 256
+# positions on the H200, 2026-11-28, while every op agreed).
+ROPE_THETA = 1_000_000
 NOISE_ROW = "logits: torch under the mode vs plain torch"
 
 
@@ -58,7 +65,7 @@ def build(cfg: dict, seed: int = 0) -> Pair:
       num_hidden_layers=cfg["num_layers"],
       num_attention_heads=cfg["num_heads"], head_dim=cfg["head_dim"],
       num_key_value_heads=cfg["num_kv_heads"], rms_norm_eps=1e-5,
-      rope_theta=500_000.0, tie_word_embeddings=True,
+      rope_theta=float(ROPE_THETA), tie_word_embeddings=True,
       max_position_embeddings=4096, attn_implementation="sdpa")
   hf = transformers.LlamaForCausalLM(hf_config).eval()
   with torch.no_grad():
@@ -75,7 +82,7 @@ def build(cfg: dict, seed: int = 0) -> Pair:
       num_layers=cfg["num_layers"], vocab_size=cfg["vocab_size"],
       embed_dim=cfg["embed_dim"], hidden_dim=cfg["hidden_dim"],
       num_heads=cfg["num_heads"], head_dim=cfg["head_dim"],
-      num_kv_heads=cfg["num_kv_heads"], rope_theta=500_000, norm_eps=1e-5,
+      num_kv_heads=cfg["num_kv_heads"], rope_theta=ROPE_THETA, norm_eps=1e-5,
       weight_tying=True)
   with tempfile.TemporaryDirectory() as where:
     hf.save_pretrained(where, safe_serialization=True)
@@ -174,7 +181,6 @@ def op_pairs(pair: Pair, tokens: np.ndarray):
   scale = hd ** -0.5
   pos = jnp.asarray(positions.cpu().numpy(), jnp.int32)
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  theta = 500_000
   return [
       ("embedding", lambda: hf.model.embed_tokens(ids),
        lambda: tunix_part(lambda m, x: m.embedder.encode(x))(
@@ -191,7 +197,7 @@ def op_pairs(pair: Pair, tokens: np.ndarray):
        lambda: tunix_part(lambda m, x: m.layers[0].attn.k_proj(x))(
            to_jax(normed))),
       ("rotary (q)", lambda: qr,
-       lambda: jax.jit(lambda x: llama.apply_rope(x, pos, hd, theta))(
+       lambda: jax.jit(lambda x: llama.apply_rope(x, pos, hd, ROPE_THETA))(
            to_jax(q))),
       ("attention core (causal, GQA)", lambda: attn,
        lambda: jax.jit(rlk_jax.batch_invariant(
