@@ -5,7 +5,8 @@ invariance counts, side by side in one process.
     python -m benchmarks.bench_attention [--smoke] [--csv out.csv]
 
 Competitors (stable names): torch ``rlk_torch`` (the bridge: the Triton
-kernels on torch's stream), ``sdpa_flash``, ``sdpa_cudnn``,
+kernels on torch's stream; ``rlk_torch_paged`` the decode rows' cache in
+16-key pages), ``sdpa_flash``, ``sdpa_cudnn``,
 ``sdpa_efficient`` (torch's SDPA with one backend forced), ``sdpa_default``
 (SDPA's own choice); JAX ``rlk_jax`` and ``jax_cudnn``
 (``jax.nn.dot_product_attention(implementation="cudnn")``). Training
@@ -27,6 +28,7 @@ from benchmarks import harness
 from benchmarks.harness import Row
 
 BENCH = "attention"
+PAGE = 16  # the paged rows' block size (vLLM's default)
 
 
 def _config(smoke: bool) -> dict:
@@ -174,6 +176,18 @@ def _decode_rows(torch, cfg, b, ctx) -> list[Row]:
   vc = torch.randn((b, ctx, hkv, d), device=dev, dtype=torch.bfloat16)
   lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
   comps = {"rlk_torch": lambda: rtb.det_attention(q, kc, vc, kv_lens=lens)}
+  if ctx % PAGE == 0:
+    # The same cache in vLLM's paged layout, its blocks shuffled (the same
+    # bits as the contiguous cache; what the table's indirection costs).
+    blocks = ctx // PAGE
+    order = torch.randperm(b * blocks, device=dev)
+    kp = torch.empty_like(kc.view(b * blocks, PAGE, hkv, d))
+    vp = torch.empty_like(kp)
+    kp[order] = kc.view(b * blocks, PAGE, hkv, d)
+    vp[order] = vc.view(b * blocks, PAGE, hkv, d)
+    tables = order.view(b, blocks).to(torch.int32)
+    comps["rlk_torch_paged"] = lambda: rtb.det_attention(
+        q, kp, vp, kv_lens=lens, block_tables=tables)
   for name, backend in _sdpa_backends(torch).items():
     fn = _sdpa(torch, backend, causal=False)  # one query sees every key
     comps[name] = lambda fn=fn: fn(q, kc, vc)
