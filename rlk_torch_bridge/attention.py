@@ -88,11 +88,13 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
-def _paged_seqs(q, k, kv_lens, block_tables):
+def _paged_seqs(q, k, kv_lens, block_tables, kernel_checks: bool):
   """rlk_jax's paged-cache sequences in torch: each sequence's four rows,
   then its block table (``[4 + blocks, B]``); and which sequences are well
   formed (on CUDA not checked on the host: a bad one's rows come back NaN,
-  and the kernel reads inside the cache whatever the table says)."""
+  and the kernel reads inside the cache whatever the table says). None
+  where `kernel_checks`: the split kernel checks each sequence itself and
+  makes a bad one NaN (a decode step's dozen small kernels saved)."""
   dev = q.device
   b, n = q.shape[:2]
   n_blocks, page = k.shape[:2]
@@ -104,6 +106,11 @@ def _paged_seqs(q, k, kv_lens, block_tables):
   if tables.ndim != 2 or tables.shape[0] != b or tables.shape[1] < 1:
     raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
                      f"[{b}, >= 1], got {tuple(tables.shape)}")
+  q_start, q_len, zeros = _attention_op.static_rows(
+      dev, (("arange", b, n), ("full", b, n), ("full", b, 0)))
+  seqs = torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]), tables.T])
+  if kernel_checks:
+    return seqs, None
   slots = tables.shape[1] * page
   lengths_ok = (kv_lens >= n) & (kv_lens <= slots)
   used = (torch.arange(tables.shape[1], device=dev)[None] * page
@@ -119,10 +126,7 @@ def _paged_seqs(q, k, kv_lens, block_tables):
       raise ValueError(
           f"det_attention: block_tables name blocks outside the cache's "
           f"{n_blocks} (rows {torch.nonzero(~blocks_ok)[:, 0].tolist()})")
-  q_start, q_len, zeros = _attention_op.static_rows(
-      dev, (("arange", b, n), ("full", b, n), ("full", b, 0)))
-  return (torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]),
-                     tables.T]), lengths_ok & blocks_ok)
+  return seqs, lengths_ok & blocks_ok
 
 
 def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -154,7 +158,9 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
       _attention_op.readable_in_place(k, v, implementation))
   if page:
     # (`contiguous`: which sequences are well formed, as for a mask.)
-    seqs, contiguous = _paged_seqs(q, k, kv_lens, block_tables)
+    seqs, contiguous = _paged_seqs(
+        q, k, kv_lens, block_tables, q.is_cuda and _attention_op.choose(
+            implementation, "gpu") in _attention_op.KERNEL_ROUTES)
   else:
     seqs, contiguous = _seqs(
         layout, q, k, cu_seqlens, mask, kv_lens, kv_start,

@@ -146,28 +146,36 @@ def test_paged_cache_gives_the_contiguous_caches_bits(rng, page, n, hpt,
   assert not torch.isnan(got.float()).any()
 
 
-def test_paged_cache_bad_tables_and_lengths_read_inside_the_cache(rng):
-  """A table entry outside the cache and a length past the table (what no
-  host check sees on CUDA): the kernel still reads inside the cache and
-  the table, and the other sequences keep their bits (the front ends turn
-  the bad sequences' rows to NaN)."""
+def test_paged_cache_bad_tables_and_lengths_come_back_nan(rng):
+  """A table entry outside the cache, a length past the table and one
+  shorter than the new tokens (what no host check sees on CUDA): the
+  kernel reads inside the cache and the table, makes those sequences' rows
+  and lse NaN itself, and the others keep their bits, one whose table has
+  a bad entry past its length among them (an entry it never uses)."""
   statics = kernels.Statics(HQ // HKV, D, D ** -0.5, None, None)
-  page, lens, blocks = 8, [9, 20, 14], 3
-  kc, vc = (rng.standard_normal((9 * page, HKV, D)) for _ in "kv")
-  q = rng.standard_normal((3, HQ, D))
-  tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32)
+  page, n, lens, blocks = 8, 2, [9, 20, 14, 11], 3
+  kc, vc = (rng.standard_normal((12 * page, HKV, D)) for _ in "kv")
+  q = rng.standard_normal((4 * n, HQ, D))
+  tables = np.arange(12, dtype=np.int32).reshape(4, 3)
   chunks = -(-(blocks * page) // CONFIG.fold_keys)
 
   def run(tables, lens):
-    seqs = torch.cat([_seqs([(i, 1, 0, n) for i, n in enumerate(lens)]),
+    seqs = torch.cat([_seqs([(i * n, n, 0, k) for i, k in enumerate(lens)]),
                       torch.tensor(tables.T.copy(), device=DEVICE)])
     return forward(_t(q), _t(kc), _t(vc), seqs, statics, 1, chunks,
-                   page=page)[0]
-  good = run(tables, lens)
+                   page=page)
+  good, good_lse = run(tables, lens)
   bad_tables = tables.copy()
-  bad_tables[0, 1] = 10 ** 6
-  bad = run(bad_tables, [lens[0], 10 ** 4, lens[2]])
-  assert np.array_equal(bits(bad[2]), bits(good[2]))
+  bad_tables[0, 1] = 10 ** 6       # used: keys 8..15 of 9
+  bad_tables[2, 2] = -5            # unused: keys 16.. of 14
+  bad, bad_lse = run(bad_tables, [lens[0], 10 ** 4, lens[2], 1])
+  rows = lambda i: slice(i * n, (i + 1) * n)
+  for i in (0, 1, 3):
+    assert torch.isnan(bad[rows(i)].float()).all(), i
+    assert torch.isnan(bad_lse[rows(i)]).all(), i
+  assert np.array_equal(bits(bad[rows(2)]), bits(good[rows(2)]))
+  assert torch.equal(bad_lse[rows(2)], good_lse[rows(2)])
+  assert not torch.isnan(good.float()).any()
 
 
 @pytest.mark.parametrize("n,hpt,window,softcap", [(1, 1, None, None),

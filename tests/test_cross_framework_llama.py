@@ -44,7 +44,9 @@ def test_the_whole_model_agrees_to_bf16_precision(rows):
 def test_the_frameworks_differ_no_more_than_torch_differs_from_itself(rows):
   """The logits' gap between the frameworks is of the size the same torch
   model shows with and without the mode (other kernels, equally exact):
-  rounding noise of the model, not a mapping error."""
+  rounding noise of the model, not a mapping error. The noise is at least
+  one bf16 rounding of the largest logit (2^-8 of it): on the GPU the tiny
+  model's plain kernels happen to give the mode's bits (noise 0)."""
   cross_gap = rows["whole model: logits"]["rel"]
-  noise = rows[cross.NOISE_ROW]["rel"]
-  assert 0 < noise and cross_gap <= 4 * noise, (cross_gap, noise)
+  noise = max(rows[cross.NOISE_ROW]["rel"], 2.0 ** -8)
+  assert cross_gap <= 4 * noise, (cross_gap, rows[cross.NOISE_ROW])

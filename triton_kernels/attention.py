@@ -189,27 +189,49 @@ if triton is not None:
     return ok
 
   @triton.jit
+  def _table_entries(pages, logical, page_stride, ok, n_blocks):
+    """Physical blocks of a sequence's logical blocks (its table row
+    `pages`, one entry every `page_stride`). An entry outside the cache
+    (input no host check saw: its rows come back NaN) still reads inside
+    it."""
+    block = tl.load(pages + logical * page_stride, mask=ok, other=0)
+    return tl.minimum(tl.maximum(block, 0), n_blocks - 1)
+
+  @triton.jit
+  def _chunk_table(pages, c0, k_len, page_stride, n_blocks,
+                   PAGE: tl.constexpr, TABLE: tl.constexpr):
+    """(the table entries of the chunk starting at key c0, the first one's
+    logical block): TABLE entries cover every key of the chunk."""
+    first = c0 // PAGE
+    logical = first + tl.arange(0, TABLE)
+    return (_table_entries(pages, logical, page_stride,
+                           logical * PAGE < k_len, n_blocks), first)
+
+  @triton.jit
   def _fwd_block(q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len,
                  pos, row_ok, d, stride_kt, stride_vt, scale2, softcap2,
-                 window, pages, page_stride, n_blocks,
+                 window, pages, page_stride, n_blocks, table, first,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
                  MASKED: tl.constexpr, PAGE: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 TABLE: tl.constexpr, INTERPRETED: tl.constexpr):
     """One key block of the online softmax for every row of the tile."""
     j = start + tl.arange(0, BLOCK_N)
     if PAGE == 0:
       kv_rows = (k_start + j).to(tl.int64)
     else:
       # A paged cache: the sequence's key j lies in its logical block
-      # j // PAGE, which its table row (`pages`, one entry every
-      # `page_stride`) maps to a physical block. Only addresses change:
-      # the block walk and the arithmetic are a contiguous cache's.
-      block = tl.load(pages + (j // PAGE) * page_stride, mask=j < k_len,
-                      other=0)
-      # A table entry outside the cache (input no host check saw: its rows
-      # come back NaN) still reads inside it.
-      block = tl.minimum(tl.maximum(block, 0), n_blocks - 1)
+      # j // PAGE, which its table row maps to a physical block. Only
+      # addresses change: the block walk and the arithmetic are a
+      # contiguous cache's.
+      if TABLE > 0:
+        # The chunk's entries, loaded once (`_chunk_table`): no load waits
+        # on another inside the key loop.
+        at = tl.minimum(tl.maximum(j // PAGE - first, 0), TABLE - 1)
+        block = tl.gather(table, at, 0)
+      else:
+        block = _table_entries(pages, j // PAGE, page_stride, j < k_len,
+                               n_blocks)
       kv_rows = block.to(tl.int64) * PAGE + j % PAGE
     if MASKED:
       in_seq = j < k_len
@@ -243,7 +265,8 @@ if triton is not None:
                  pages, page_stride, n_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
-                 PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 PAGE: tl.constexpr, TABLE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """(m, l, acc) of keys [c_lo, c_hi) for every row, from a fresh state.
     Blocks below `full` are visible to every row: no masks there (a mask
     that keeps every score changes none, and every row's running max is
@@ -251,19 +274,24 @@ if triton is not None:
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    if TABLE > 0:
+      table, first = _chunk_table(pages, c_lo, k_len, page_stride, n_blocks,
+                                  PAGE, TABLE)
+    else:
+      table, first = 0, 0
     split = tl.minimum(tl.maximum(full, c_lo), c_hi)
     for start in range(c_lo, split, BLOCK_N):
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
           row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
-          page_stride, n_blocks, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, False,
-          PAGE, INTERPRETED)
+          page_stride, n_blocks, table, first, BLOCK_M, BLOCK_N, SOFTCAP,
+          WINDOWED, False, PAGE, TABLE, INTERPRETED)
     for start in range(split, c_hi, BLOCK_N):
       m_i, l_i, acc = _fwd_block(
           q, m_i, l_i, acc, k_base, v_base, start, k_start, k_len, pos,
           row_ok, d, stride_kt, stride_vt, scale2, softcap2, window, pages,
-          page_stride, n_blocks, BLOCK_M, BLOCK_N, SOFTCAP, WINDOWED, True,
-          PAGE, INTERPRETED)
+          page_stride, n_blocks, table, first, BLOCK_M, BLOCK_N, SOFTCAP,
+          WINDOWED, True, PAGE, TABLE, INTERPRETED)
     return m_i, l_i, acc
 
   @triton.jit
@@ -288,11 +316,31 @@ if triton is not None:
   @triton.jit
   def _finish(m, l):
     """(1 / the normaliser's guard, lse in natural log) per row; rows that
-    saw no key get lse -inf and a 0 output."""
+    saw no key get lse -inf and a 0 output, a NaN normaliser (a poisoned
+    partial, `_paged_chunk_ok`) a NaN lse."""
     seen = l > 0.0
     lse = tl.where(seen, (m + tl.log2(tl.where(seen, l, 1.0))) * _LN2,
-                   float("-inf"))
+                   tl.where(l == l, float("-inf"), l))
     return tl.where(seen, l, 1.0), lse
+
+  @triton.jit
+  def _paged_chunk_ok(pages, q_len, k_len, c0, n_table, page_stride,
+                      n_blocks, FOLD: tl.constexpr, PAGE: tl.constexpr):
+    """Whether a sequence's length fits its table and the entries its keys
+    in [c0, c0 + FOLD) use name blocks inside the cache: input no host
+    check saw (traced, or CUDA tensors in torch). Every used entry lies in
+    one chunk, so the chunks' programs check them all between them, and
+    a failed check makes the chunk's partial NaN, which the fold carries
+    into every row of the sequence (no extra kernel, no host sync)."""
+    ok = (k_len >= q_len) & (k_len <= n_table * PAGE)
+    e_lo = c0 // PAGE
+    e_hi = tl.minimum(tl.cdiv(tl.minimum(c0 + FOLD, k_len), PAGE), n_table)
+    for e0 in range(e_lo, e_hi, 64):
+      e = e0 + tl.arange(0, 64)
+      block = tl.load(pages + e * page_stride, mask=e < e_hi, other=0)
+      outside = ((block < 0) | (block >= n_blocks)).to(tl.int32)
+      ok = ok & (tl.max(outside, 0) == 0)
+    return ok
 
   @triton.jit
   def _fwd_rows(q_ptr, k_ptr, v_ptr, stride_qt, stride_qh, stride_kh,
@@ -356,7 +404,7 @@ if triton is not None:
             q, k_base, v_base, tl.maximum(c0, lo), tl.minimum(c0 + FOLD, hi),
             full, k_start, k_len, pos, row_ok, d, stride_kt, stride_vt,
             scale2, softcap2, window, seqs_ptr, n_seqs, 1, BLOCK_M, BLOCK_N,
-            HEAD_DIM, SOFTCAP, WINDOWED, 0, INTERPRETED)
+            HEAD_DIM, SOFTCAP, WINDOWED, 0, 0, INTERPRETED)
         m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m, l, acc)
       norm, lse = _finish(m_run, l_run)
       out = acc_run / norm[:, None]
@@ -376,7 +424,8 @@ if triton is not None:
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
                         SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
-                        PAGE: tl.constexpr, INTERPRETED: tl.constexpr):
+                        PAGE: tl.constexpr, TABLE: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
     # One chunk (program axis 2) of one tile: its (m, l, acc) partials,
     # f32, [chunk, row, head] (a chunk outside the tile's keys: the empty
     # partial, which folds as nothing). PAGE > 0: k and v are a paged
@@ -401,7 +450,12 @@ if triton is not None:
           q, k_base, v_base, c_lo, c_hi, full, k_start, k_keys, pos, row_ok,
           d, stride_kt, stride_vt, scale2, softcap2, window, pages, n_seqs,
           n_blocks, BLOCK_M, BLOCK_N, HEAD_DIM, SOFTCAP, WINDOWED, PAGE,
-          INTERPRETED)
+          TABLE, INTERPRETED)
+      if PAGE > 0:
+        ok = _paged_chunk_ok(pages, q_len, k_len, c0, n_table, n_seqs,
+                             n_blocks, FOLD, PAGE)
+        l = tl.where(ok, l, float("nan"))
+        acc = tl.where(ok, acc, float("nan"))
       n_heads = tl.num_programs(1) * HEADS_PER_TILE
       slot = (tl.program_id(2).to(tl.int64) * n_rows + q_rows) * n_heads + head
       tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc,
@@ -690,10 +744,28 @@ def _fwd_meta(statics, config, heads_per_tile, interpreted_, split,
               FOLD=config.fold_keys, INTERPRETED=interpreted_)
   if split:  # (only the split kernel reads a paged cache)
     meta["PAGE"] = page
+    meta["TABLE"] = _chunk_table_entries(config.fold_keys, page)
   elif page:
     raise ValueError("a paged KV cache is read by the split (decode) "
                      "kernels only")
   return meta
+
+
+# A chunk's table entries held in registers at most (pages of 8 keys and
+# more at 512-key chunks); smaller pages look each key's entry up in turn.
+_MAX_CHUNK_TABLE = 64
+
+
+def _chunk_table_entries(fold: int, page: int) -> int:
+  """Entries (a power of two, for tl.arange) that cover a chunk's keys, or
+  0: the kernel looks entries up key by key. A chunk starts at a multiple
+  of `fold`; where pages divide it, it spans fold // page whole pages,
+  otherwise one more, cut at both ends."""
+  if not page:
+    return 0
+  span = fold // page if fold % page == 0 else -(-fold // page) + 1
+  n = 1 << max(span - 1, 1).bit_length()
+  return n if n <= _MAX_CHUNK_TABLE else 0
 
 
 @functools.lru_cache(maxsize=256)
