@@ -232,8 +232,11 @@ def _sample(sampler, prompts, **kwargs):
 # into a product by the timescale's inverse in a batch of 4 and not alone
 # (rlk_jax._batch_invariant._divide), and its q/k norms' `x / sqrt(...)`
 # into XLA:CPU's rsqrt (reference.sqrt).
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+# Each family under one sampling mode, the two modes each once (the
+# model's products are the same under both; what a mode adds is its
+# sampler's own path: 45 s of CI for the other two pairs).
+@pytest.mark.parametrize("family,mode", [("llama3", "greedy"),
+                                         ("qwen3", "seeded")])
 def test_tunix_sampler_logprobs_equal_the_trainers(family, mode):
   sampler, graphdef, state = _sampler(family)
   rng = np.random.default_rng(11)

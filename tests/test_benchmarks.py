@@ -92,7 +92,8 @@ def test_main_job_smoke_writes_csv_report_and_plots(tmp_path):
           "rlk_xla"} <= set(by_impl), set(by_impl)
   recipe_shapes = [r for r in by_impl["cublaslt_vllm_recipe"]
                    if r["case"].startswith("tiny")]
-  assert len(recipe_shapes) == 10 * 6  # 5 products x 2 layouts x (5 m + rlk)
+  # 5 products x 2 layouts x (3 m + rlk)
+  assert len(recipe_shapes) == 10 * 4 == 10 * (len(bench_invariance.SMOKE_SWEEP_MS) + 1)
   assert sum("rows_differ_from_rlk=" in r["note"] for r in recipe_shapes) == 10
   report = (out / "report.md").read_text()
   assert all(f"## {b}" in report for b in ("invariance", "bridge", "torch_ops",
