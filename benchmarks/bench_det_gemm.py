@@ -43,7 +43,7 @@ DECODE_SETS = 16
 # The M=4096 products: each jitted program runs enough calls (each with its
 # own A, one shared weight) to last about PROGRAM_MS at cuBLAS's pace, and at
 # least MIN_BIG_SETS. A jitted execution leaves the GPU idle 20-70 us beyond
-# its kernels on the H100 (the CUPTI trace of scripts/profile_jit_kernels.py);
+# its kernels on the H100 (the CUPTI trace of lab/profile_jit_kernels.py);
 # cuBLAS in the torch loop pays no such cost, so with 2 calls a program, as
 # once, XLA and rlk carried ~10-20 us of it per 190-290 us product.
 MIN_BIG_SETS = 8
@@ -72,7 +72,7 @@ def _torch_copies(torch, arg_sets):
 
   The strongest baseline torch offers: on the H100, torch.matmul ran 3-10%
   slower on DLPack views of JAX's buffers than on torch's own copies
-  (scripts/check_cublas_baseline.py), and replaying the calls from a CUDA
+  (lab/check_cublas_baseline.py), and replaying the calls from a CUDA
   graph (as XLA's command buffers replay ours) took up to another 4%
   (decode products: 20-35%, where a torch loop measures the host).
   """

@@ -44,7 +44,7 @@ def _shapes(smoke: bool):
 # Each timed program runs CALLS calls over BUFFERS input buffers (several,
 # so repeated calls do not re-read a warm cache). One jitted execution costs
 # the GPU about 40 us of idle time beyond its kernels on the H100 (the
-# CUPTI trace of scripts/profile_jit_kernels.py: 4 packs of 67 us ran in a
+# CUPTI trace of lab/profile_jit_kernels.py: 4 packs of 67 us ran in a
 # program of 306 us); 16 calls spread that over the calls, as an op inside a
 # training step would (the CPU smoke run keeps one call a buffer). Distinct
 # masks (or addends) keep XLA from merging calls that share a buffer.

@@ -3,7 +3,7 @@
 # stand against every SM90 config, timed twice on one machine (is the gap
 # the kernels' or the measurement's?), and the SASS of the cuBLAS kernels
 # they lose to (nvjet 320x64 and 320x128 coopB: their HGMMA shapes).
-#   device run (carry .whl .prebuilt): bash scripts/probe_low_products.sh
+#   device run (carry .whl .prebuilt): bash lab/probe_low_products.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/rlk-out}"; mkdir -p "$OUT"
@@ -27,6 +27,6 @@ PY
   done
 fi
 for pass in 1 2; do
-  RLK_REPEATS=7 timeout 190 python3 scripts/probe_tuner_fidelity.py \
+  RLK_REPEATS=7 timeout 190 python3 lab/probe_tuner_fidelity.py \
     "$OUT/fidelity_pass$pass.csv" $PRODUCTS 2>&1 | tee "$OUT/fidelity_pass$pass.log" | grep -E "^M=|^over"
 done

@@ -1,7 +1,7 @@
 """Times the det_gemm_variants.cu instantiations against cuBLAS (H100
 experiment, not part of the library).
 
-    PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_variants.py <dir with variant_*.so> \
+    PYTHONPATH=$PWD python lab/cuda/det_gemm_variants.py <dir with variant_*.so> \
         [variant indices, e.g. 0,1,12] [shapes, e.g. gate_up,lm_head,1024x14336x5120]
 
 A shape is a name of SHAPES or DECODE, or MxKxN.

@@ -5,9 +5,9 @@
 // before it times anything. One shared library per variant (they compile in
 // parallel), each exporting the same C symbols, built with the library's
 // nvcc flags by
-//   python benchmarks/cuda/build_det_gemm_variants.py <dir> <n,n,...>
+//   python lab/cuda/build_det_gemm_variants.py <dir> <n,n,...>
 // (n = 0..85, see Entry below), then
-//   python benchmarks/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
+//   python lab/cuda/det_gemm_variants.py <dir> [n,n,...] [shapes]
 #define RLK_KERNEL_TEMPLATES_ONLY
 #include "../../cuda_ffi/csrc/det_gemm_kernels.cu"
 

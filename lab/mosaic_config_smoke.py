@@ -1,7 +1,7 @@
 """Runs each Mosaic GPU det_gemm config once, each in its own process under
 a time limit, against cuda_ffi's bits, and prints the names that passed on
 the last line (comma-separated): a device call can then time only configs
-that neither hang nor differ. Usage: python3 scripts/mosaic_config_smoke.py
+that neither hang nor differ. Usage: python3 lab/mosaic_config_smoke.py
 [--timeout S] [NAME ...]"""
 
 import argparse

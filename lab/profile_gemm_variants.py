@@ -3,7 +3,7 @@ product, for Nsight Compute to read their counters side by side (launch
 shape, tensor-pipe and memory throughput):
 
     ncu --clock-control none -k 'regex:nvjet|device_kernel' --section ... \
-      python scripts/profile_gemm_variants.py DIR 41,56 512x14336x5120 ...
+      python lab/profile_gemm_variants.py DIR 41,56 512x14336x5120 ...
 
 Products are MxKxN, forward layout (B stored [K, N]); variants that take B
 stored [N, K] get its transpose."""

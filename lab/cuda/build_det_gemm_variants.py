@@ -1,11 +1,11 @@
-"""Builds benchmarks/cuda/det_gemm_variants.cu, one shared library per
+"""Builds lab/cuda/det_gemm_variants.cu, one shared library per
 variant, with the library's own nvcc flags (cuda_ffi.build.NVCC_FLAGS):
 the variants must compile as the shipped kernels do to be timed against
 them (without -DNDEBUG, CUTLASS's asserts made ptxas serialize the wgmma
 pipeline of some variants, C7510). Runs on the CPU machine; carry the
 directory to the device.
 
-    PYTHONPATH=$PWD python benchmarks/cuda/build_det_gemm_variants.py <dir> 0,17,27
+    PYTHONPATH=$PWD python lab/cuda/build_det_gemm_variants.py <dir> 0,17,27
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ too. Each case is built the way `benchmarks.harness.time_jax` times it (one
 program calling the op on several distinct argument sets), so the gaps are
 the ones inside the benchmark's figure.
 
-    python scripts/profile_jit_kernels.py [case ...]   (GPU machine; stdout)
+    python lab/profile_jit_kernels.py [case ...]   (GPU machine; stdout)
 
 Run it under different XLA_FLAGS (e.g. --xla_gpu_enable_command_buffer=) to
 see what XLA's command buffers (CUDA graphs) change. Each case also says

@@ -8,7 +8,7 @@ sets to leave L2 cold, CUDA-graph replay through the torch route, 10 ms
 samples, interleaved rounds with cuBLAS). Prints, per product, the tuner's
 pick, the sweep-timed fastest config and what the pick loses against it.
 
-    python scripts/probe_tuner_fidelity.py OUT_CSV [M,N,K ...]   (forward layout)
+    python lab/probe_tuner_fidelity.py OUT_CSV [M,N,K ...]   (forward layout)
 
 RLK_REPEATS (default 5, the sweep's) sets the interleaved rounds per product.
 """

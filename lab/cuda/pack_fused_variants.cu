@@ -3,7 +3,7 @@
 // a ready gather map and a plain memcpy of the same bytes (H100 experiment,
 // not part of the library). It compiles the library's kernel source itself:
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//     -DRLK_FUSED_THREADS=512 -I cuda_ffi/csrc benchmarks/cuda/pack_fused_variants.cu -o /tmp/pfv
+//     -DRLK_FUSED_THREADS=512 -I cuda_ffi/csrc lab/cuda/pack_fused_variants.cu -o /tmp/pfv
 #include "../../cuda_ffi/csrc/pack_rows_kernels.cu"
 
 #include <algorithm>

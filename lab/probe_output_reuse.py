@@ -8,7 +8,7 @@ its fastest configs timed the sweep's way, with the outputs discarded
 call), interleaved. Prints, per way, the relative bias of each config
 against the sweep, and what each way's pick costs by the sweep's timing.
 
-    python scripts/probe_output_reuse.py [M,N,K ...]   (forward layout)
+    python lab/probe_output_reuse.py [M,N,K ...]   (forward layout)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ one synchronization, random operands over sets that leave L2 cold), and
 prints each config's median time per 250 ms of the run: from a card at
 rest to one held at its power cap.
 
-    python scripts/probe_power_state.py [M,N,K,config_a,config_b ...]
+    python lab/probe_power_state.py [M,N,K,config_a,config_b ...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Probes column splits of one product over two det_gemm variants (H100
 experiment, not part of the library).
 
-    PYTHONPATH=$PWD python benchmarks/cuda/det_gemm_split_probe.py <dir with variant_*.so> \
+    PYTHONPATH=$PWD python lab/cuda/det_gemm_split_probe.py <dir with variant_*.so> \
         [gate_up,o,... | MxKxN,...]
 
 RLK_ROUNDS and RLK_CALLS set the rounds and the calls a sample (41 and 20

@@ -17,7 +17,7 @@ use), and scores each way's pick by the sweep's timing:
   config untimed (the sweep's samples come after a batch of the same
   config too: the card's clocks settle to what the config draws).
 
-    python scripts/probe_timing_structure.py [M,N,K ...]   (forward layout)
+    python lab/probe_timing_structure.py [M,N,K ...]   (forward layout)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fits the analytic config rule of the SM90 det_gemm (``ChoosePlan`` in
 cuda_ffi/csrc/det_gemm_api.cc) to measured config timings, and scores it.
 
-    python benchmarks/cuda/fit_config_rule.py CONFIGS.csv [CONFIGS.csv ...]
+    python lab/cuda/fit_config_rule.py CONFIGS.csv [CONFIGS.csv ...]
 
 The CSVs are the ``det_gemm_configs.csv`` files the det_gemm_sweep benchmark
 writes (every config's median time on every product rlk tuned; a later file

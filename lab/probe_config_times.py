@@ -2,7 +2,7 @@
 rlk_jax._gemm_tuning.CANDIDATES) on a few products, fastest first: a quick
 look at what the tuner sees, e.g. after a change to its timing.
 
-    python scripts/probe_config_times.py [M,N,K ...]   (forward layout)
+    python lab/probe_config_times.py [M,N,K ...]   (forward layout)
 """
 
 import sys

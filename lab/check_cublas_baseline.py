@@ -5,7 +5,7 @@ torch? Times, in the same interleaved rounds as the benchmark
 copies, with a fresh output and with `out=`, from a plain loop and replayed
 from a CUDA graph, beside XLA's dot and rlk's cuda_ffi det_gemm.
 
-    python scripts/check_cublas_baseline.py [qkv o ...]   (GPU machine)
+    python lab/check_cublas_baseline.py [qkv o ...]   (GPU machine)
 """
 import functools
 import sys

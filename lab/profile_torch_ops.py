@@ -1,6 +1,6 @@
 """Where an eager rlk_torch_bridge.det_gemm call spends its host time, on a
 GPU: per-piece timings and a cProfile of forward and forward + backward
-loops at a launch-bound size. `python scripts/profile_torch_ops.py`."""
+loops at a launch-bound size. `python lab/profile_torch_ops.py`."""
 
 import cProfile
 import pstats

@@ -1,6 +1,6 @@
 // Row-gather kernel variants on the pack benchmark's shape (H100 experiment,
 // not part of the library): which copy structure reaches copy bandwidth?
-//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/cuda/gather_variants.cu -o /tmp/gv && /tmp/gv
+//   nvcc -O3 -std=c++17 -arch=sm_90a lab/cuda/gather_variants.cu -o /tmp/gv && /tmp/gv
 #include <cstdio>
 #include <cstdint>
 #include <vector>
