@@ -107,3 +107,61 @@ def test_a_cycle_is_found_also_through_a_deferred_or_relative_import(
   graph = import_graph(tmp_path, ("pkg",))
   assert graph["pkg.sub.b"] == {"pkg.a"}
   assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+# What each package may import of the project's others: the layers of
+# docs/design.md's map, from cuda_ffi (no project import) up to the
+# benchmarks and examples, which use everything.
+MAY_IMPORT = {
+    "cuda_ffi": set(),
+    "pallas_kernels": {"cuda_ffi"},
+    "triton_kernels": {"cuda_ffi"},
+    "rlk_jax": {"cuda_ffi", "pallas_kernels", "triton_kernels"},
+    "rlk_torch_bridge": {"cuda_ffi", "pallas_kernels", "triton_kernels",
+                         "rlk_jax"},
+    "benchmarks": set(PACKAGES) - {"benchmarks"},
+    "examples": set(PACKAGES) - {"examples"},
+}
+# torch is the bridge's: the JAX side never imports it (triton_kernels'
+# torch launchers import it inside their functions, on torch's call).
+NO_TORCH = ("cuda_ffi", "pallas_kernels", "rlk_jax")
+
+
+def package_imports(root, packages) -> set[tuple[str, str, str]]:
+  """(importing module, imported package, imported module) for every
+  import that crosses packages."""
+  graph = import_graph(root, packages)
+  return {(name, dep.split(".")[0], dep) for name, deps in graph.items()
+          for dep in deps if dep.split(".")[0] != name.split(".")[0]}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+  assert set(MAY_IMPORT) == set(PACKAGES)
+  crossings = package_imports(ROOT, PACKAGES)
+  assert any(p == "cuda_ffi" for _, p, _ in crossings)
+  wrong = sorted((name, dep) for name, p, dep in crossings
+                 if p not in MAY_IMPORT[name.split(".")[0]])
+  assert wrong == []
+
+
+def test_the_jax_side_never_imports_torch():
+  found = []
+  for package in NO_TORCH:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                 else [])
+        found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                  if n.split(".")[0] == "torch"]
+  assert found == []
+
+
+def test_a_package_importing_above_its_layer_is_found(tmp_path):
+  for package, body in (("low", "def f():\n  import high.mod\n"),
+                        ("high", "")):
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "mod.py").write_text(body)
+  assert package_imports(tmp_path, ("low", "high")) == {
+      ("low.mod", "high", "high.mod")}
