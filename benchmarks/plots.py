@@ -463,6 +463,48 @@ def det_gemm_sweep_figure(rows):
   return fig
 
 
+def det_gemm_by_m_figure(rows):
+  """rlk's SM90 kernel against cuBLAS by M, one panel per layout: every
+  product's speed as a fraction of cuBLAS's (a dot each, spread a little
+  sideways) and their geometric mean per M."""
+  rows = select(rows, "det_gemm_sweep", lambda r: r["median_ms"])
+  peer = {r["case"]: r["median_ms"] for r in rows
+          if r["implementation"] == "cublas"}
+  ours = [r for r in rows if r["implementation"] == "rlk_cuda_ffi_kernel"
+          and r["case"] in peer]
+  if not ours:
+    return None
+  by_layout = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in ours:
+    by_layout[r["case"].split()[-1]][int(_param(r["case"], "M"))].append(
+        peer[r["case"]] / r["median_ms"])
+  layouts = [l for l in ("fwd", "dA", "dB") if l in by_layout]
+  fig, axes = _figure(ncols=len(layouts), width=5.0)
+  for ax, layout in zip(axes, layouts):
+    per_m = by_layout[layout]
+    for i, m in enumerate(sorted(per_m)):
+      xs = [m * 2 ** (0.25 * (j / max(len(per_m[m]) - 1, 1) - 0.5))
+            for j in range(len(per_m[m]))]
+      ax.scatter(xs, per_m[m], s=9, alpha=0.45, color="tab:blue",
+                 label="a product" if i == 0 else None)
+    ms = sorted(per_m)
+    means = [math.exp(sum(map(math.log, per_m[m])) / len(per_m[m]))
+             for m in ms]
+    ax.plot(ms, means, "o-", color="black", label="geometric mean")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.axhline(0.9, color="grey", lw=1, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (rows)")
+    n = sum(len(v) for v in per_m.values())
+    ax.set_title(f"{layout}: {n} products", fontsize=10)
+    ax.set_ylabel("x cuBLAS speed (higher is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+  fig.suptitle("det_gemm (rlk's SM90 kernel) against cuBLAS, kernel against "
+               "kernel " + _stamp(rows), fontsize=10)
+  return fig
+
+
 def _attention_label(case: str) -> str:
   """'decode B=16 ctx=8192 H=32/8 D=128' -> 'decode B=16 ctx=8192'."""
   return re.sub(r" H=\S+ D=\d+", "", case).replace(" fwd+bwd", "\nfwd+bwd")
@@ -491,6 +533,7 @@ FIGURES = {
     "logp_peers_by_n.png": logp_peers_by_n_figure,
     "bridge_overhead.png": bridge_overhead_figure,
     "det_gemm_sweep.png": det_gemm_sweep_figure,
+    "det_gemm_by_m.png": det_gemm_by_m_figure,
     "attention_time.png": attention_figure,
 }
 

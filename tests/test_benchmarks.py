@@ -339,3 +339,30 @@ def test_logp_peers_by_n_figure_draws_time_and_memory_over_n():
   assert list(lines["rlk"].get_ydata()) == [10.24, 40.96, 163.84]
   assert [l.get_label() for l in memory_ax.get_lines()] == ["rlk", "verl"]
   assert plots.logp_peers_by_n_figure(rows[-1:]) is None
+
+
+def test_det_gemm_by_m_figure_draws_each_layouts_geometric_mean(rng):
+  pytest.importorskip("matplotlib")
+  from benchmarks import plots
+  rows, want = [], {}
+  for layout in ("fwd", "dA"):
+    for m in (128, 1024):
+      ratios = rng.uniform(0.7, 1.3, 5)
+      want[(layout, m)] = float(np.exp(np.log(ratios).mean()))
+      for i, x in enumerate(ratios):
+        case = f"fam p{i} M={m} K=4096 N=1024 {layout}"
+        base = dict(benchmark="det_gemm_sweep", case=case, device="d",
+                    commit="c", date="x")
+        rows += [dict(base, implementation="cublas", median_ms=1.0),
+                 dict(base, implementation="rlk_cuda_ffi_kernel",
+                      median_ms=1.0 / x)]
+  fig = plots.det_gemm_by_m_figure(rows)
+  axes = fig.get_axes()
+  assert [ax.get_title() for ax in axes] == ["fwd: 10 products",
+                                             "dA: 10 products"]
+  for ax, layout in zip(axes, ("fwd", "dA")):
+    (mean_line,) = [l for l in ax.get_lines() if l.get_label() ==
+                    "geometric mean"]
+    np.testing.assert_allclose(mean_line.get_ydata(),
+                               [want[(layout, 128)], want[(layout, 1024)]])
+  assert plots.det_gemm_by_m_figure(rows[:0]) is None

@@ -24,7 +24,7 @@ EXPERIMENTS = RESULTS / "experiments"
 NO_RUN = "python no-run"
 
 # A stated goal: README.md is the front page, details live in docs/.
-README_MAX_LINES = 250
+README_MAX_LINES = 200
 
 # ---------------------------------------------------------------- markdown
 
@@ -157,6 +157,40 @@ def test_readme_length():
   assert len(lines) <= README_MAX_LINES, (
       f"README.md has {len(lines)} lines, the goal is at most "
       f"{README_MAX_LINES}: move details to docs/")
+
+
+def _section(title: str) -> list[str]:
+  """The prose lines under README's `## title`, up to the next heading."""
+  lines = prose_lines(README)
+  start = lines.index(f"## {title}") + 1
+  end = next((i for i in range(start, len(lines))
+              if lines[i].startswith("#")), len(lines))
+  return [l for l in lines[start:end] if l.strip()]
+
+
+def test_readme_opens_with_three_plain_lines_then_its_two_commands():
+  lines = README.read_text(encoding="utf-8").splitlines()
+  assert lines[0] == "# rlk" and lines[1] == ""
+  opening = lines[2:lines.index("", 2)]
+  assert len(opening) == 3, opening
+  assert not any(c.isdigit() for c in "".join(opening)), (
+      "the opening states no figures (they live under Results)")
+  commands = [source for _, _, info, source in _fences(README)
+              if info == "bash"]
+  assert [c.split()[:2] for c in commands[:2]] == [
+      ["bash", "scripts/bench.sh"], ["bash", "scripts/test.sh"]]
+
+
+def test_readme_results_and_limitations_read_one_line_each():
+  results = [l for l in _section("Results") if l.startswith("- ")]
+  assert len(results) >= 6
+  for line in results:
+    assert "(benchmarks/results/" in line, f"no run linked: {line[:60]}"
+    assert len(line) <= 400, f"a results line runs long: {line[:60]}"
+  assert any(l.startswith("![") and ".png)" in l for l in _section("Results"))
+  limits = _section("Limitations")
+  assert limits and all(l.startswith("- ") and len(l) <= 250 for l in limits), (
+      [l[:60] for l in limits if not l.startswith("- ") or len(l) > 250])
 
 
 # ---------------------------------------------------------------- links
