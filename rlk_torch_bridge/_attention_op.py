@@ -27,7 +27,8 @@ import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _library
-from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
+from rlk_torch_bridge._checks import platform_of
+from rlk_torch_bridge._dlpack import to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, float scale, "
                   "float? softcap, int? window, int heads_per_tile, "

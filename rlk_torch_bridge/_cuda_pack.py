@@ -17,7 +17,8 @@ import torch
 
 import cuda_ffi
 from rlk_torch_bridge import _packinfo
-from rlk_torch_bridge._dlpack import _current_stream_handle, jax_dtype
+from rlk_torch_bridge._checks import jax_dtype
+from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +51,7 @@ def pack_from_mask(x: torch.Tensor, mask: torch.Tensor, capacity: int,
   scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=mask.device)
   base = info.data_ptr()
   cuda_ffi.launch_pack_rows(
-      _current_stream_handle(src.device.index), src.data_ptr(),
+      current_stream_handle(src.device.index), src.data_ptr(),
       active.data_ptr(), n_seq, width, capacity,
       math.prod(tail) * src.element_size(), src.element_size(),
       _fill_bits(fill, src.dtype), scratch.data_ptr(),
@@ -71,7 +72,7 @@ def gather_rows(src: torch.Tensor, index_address: int, out_shape: tuple,
   src = src.contiguous()
   out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
   cuda_ffi.launch_gather_rows(
-      _current_stream_handle(src.device.index), src.data_ptr(), index_address,
+      current_stream_handle(src.device.index), src.data_ptr(), index_address,
       out_shape[0], row_elems * src.element_size(), src.element_size(),
       _fill_bits(fill, src.dtype), out.data_ptr())
   return out

@@ -1,4 +1,4 @@
-"""torch <-> JAX without copies, and the checks every bridged op shares.
+"""torch <-> JAX without copies: the route of the ops no native kernel takes.
 
 Stream order (GPU), with no host blocking either way:
 - torch -> JAX: JAX adopts a foreign buffer with a "definition event"
@@ -33,8 +33,9 @@ from __future__ import annotations
 import threading
 
 import jax
-import jax.numpy as jnp
 import torch
+
+from rlk_torch_bridge._torch_stream import current_stream_handle
 
 try:  # The entry points jax.dlpack is built on.
   from jax._src.lib import _jax as _jaxlib
@@ -46,12 +47,6 @@ try:  # The entry points jax.dlpack is built on.
 except (ImportError, AttributeError):
   FAST_PATH = False
 
-_TO_JAX_DTYPE = {
-    torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
-    torch.float32: jnp.float32, torch.float64: jnp.float64,
-    torch.int8: jnp.int8, torch.int16: jnp.int16, torch.int32: jnp.int32,
-    torch.int64: jnp.int64, torch.uint8: jnp.uint8, torch.bool: jnp.bool_,
-}
 _KDL_CPU, _KDL_CUDA = 1, 2
 _LEGACY_STREAM = 1  # DLPack's name for CUDA's legacy default stream (handle 0)
 
@@ -67,7 +62,6 @@ class _DeviceState(threading.local):
 
 
 _state = _DeviceState()
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _jax_device(device: torch.device):
@@ -81,12 +75,6 @@ def _jax_device(device: torch.device):
       found = jax.devices("cpu")[0]
     _state.jax_device[device] = found
   return found
-
-
-def _current_stream_handle(index: int) -> int:
-  if _raw_stream is not None:
-    return _raw_stream(index)
-  return torch.cuda.current_stream(index).cuda_stream
 
 
 def _stream_object(handle: int, index: int):
@@ -113,7 +101,7 @@ def _jax_stream_waits_for_torch(device: torch.device, jax_device) -> int:
   event = _state.event.get(index)
   if event is None:
     event = _state.event[index] = torch.cuda.Event()
-  event.record(_stream_object(_current_stream_handle(index), index))
+  event.record(_stream_object(current_stream_handle(index), index))
   _stream_object(jax_stream, index).wait_event(event)
   return jax_stream
 
@@ -164,7 +152,7 @@ def to_torch_all(*arrays: jax.Array) -> tuple[torch.Tensor, ...]:
   device = arrays[0].device if arrays else None
   if device is not None and device.platform == "gpu":
     # (arrays of one call share a device: the bridge's ops never mix them)
-    stream = (_current_stream_handle(device.local_hardware_id)
+    stream = (current_stream_handle(device.local_hardware_id)
               or _LEGACY_STREAM)
   return tuple(torch.utils.dlpack.from_dlpack(_to_capsule(a, stream=stream))
                for a in arrays)
@@ -172,41 +160,3 @@ def to_torch_all(*arrays: jax.Array) -> tuple[torch.Tensor, ...]:
 
 def to_torch(a: jax.Array) -> torch.Tensor:
   return to_torch_all(a)[0]
-
-
-def jax_dtype(dtype):
-  if dtype is None:
-    return None
-  try:
-    return _TO_JAX_DTYPE[dtype]
-  except KeyError:
-    raise TypeError(f"rlk_torch_bridge: unsupported dtype {dtype}.") from None
-
-
-def torch_dtype(dtype) -> torch.dtype:
-  dtype = jnp.dtype(dtype)
-  for t, j in _TO_JAX_DTYPE.items():
-    if jnp.dtype(j) == dtype:
-      return t
-  raise TypeError(f"rlk_torch_bridge: no torch dtype for {dtype}.")
-
-
-def platform_of(t: torch.Tensor) -> str:
-  return "gpu" if t.device.type == "cuda" else "cpu"
-
-
-def check_same_device(op: str, **tensors: torch.Tensor) -> None:
-  first, *rest = tensors.values()
-  if all(t.device == first.device for t in rest):
-    return
-  devices = {name: t.device for name, t in tensors.items()}
-  if len(set(devices.values())) > 1:
-    listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
-    raise ValueError(f"rlk_torch_bridge.{op}: inputs on different devices: "
-                     f"{listed}.")
-
-
-def check_tensor(op: str, name: str, t) -> None:
-  if not isinstance(t, torch.Tensor):
-    raise TypeError(f"rlk_torch_bridge.{op}: {name} must be a torch.Tensor, "
-                    f"got {type(t).__name__}.")

@@ -23,8 +23,8 @@ import cuda_ffi
 from rlk_jax import _det_gemm, _gemm_tuning
 from rlk_torch_bridge import _in_situ, _library, _sm90
 from triton_kernels import det_matmul as triton_det_matmul
-from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
-                                      to_torch)
+from rlk_torch_bridge._checks import jax_dtype, platform_of
+from rlk_torch_bridge._dlpack import to_jax_all, to_torch
 
 SCHEMA = ("(Tensor a, Tensor b, bool transpose_a, bool transpose_b, "
           "ScalarType out_dtype, str? implementation) -> Tensor")

@@ -27,8 +27,8 @@ import torch
 
 from rlk_jax import _linear_logp
 from rlk_torch_bridge import _library, _sm90_logp
-from rlk_torch_bridge._dlpack import (jax_dtype, platform_of, to_jax_all,
-                                      to_torch_all)
+from rlk_torch_bridge._checks import jax_dtype, platform_of
+from rlk_torch_bridge._dlpack import to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, "
                   "Tensor temperature, int chunk_size, bool with_entropy, "

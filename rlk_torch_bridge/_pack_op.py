@@ -21,7 +21,8 @@ import torch
 import rlk_jax
 from rlk_jax import _pack
 from rlk_torch_bridge import _cuda_pack, _library, _packinfo
-from rlk_torch_bridge._dlpack import platform_of, to_jax_all, to_torch_all
+from rlk_torch_bridge._checks import platform_of
+from rlk_torch_bridge._dlpack import to_jax_all, to_torch_all
 
 PACK_SCHEMA = ("(Tensor x, Tensor mask, int capacity, Scalar fill, "
                "bool checked, str? implementation) -> (Tensor, Tensor)")

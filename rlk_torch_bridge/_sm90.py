@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 import cuda_ffi
-from rlk_torch_bridge._dlpack import _current_stream_handle
+from rlk_torch_bridge._torch_stream import current_stream_handle
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
@@ -45,7 +45,7 @@ def product_launcher(m: int, n: int, k: int, transpose_a: bool,
     index = a.device.index
     with on_device(index):
       launch(a.data_ptr(), b.data_ptr(), c.data_ptr(),
-             _current_stream_handle(index))
+             current_stream_handle(index))
     return c
   return product
 

@@ -28,7 +28,7 @@ import torch
 import cuda_ffi
 from rlk_jax import _linear_logp
 from rlk_torch_bridge import _gemm_op, _sm90
-from rlk_torch_bridge._dlpack import _current_stream_handle
+from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
 def _product(a, b, transpose_a, transpose_b, out_dtype):
@@ -78,7 +78,7 @@ def forward(hidden, weight, targets, temps, chunk_size: int,
                                  device=hidden.device)
   if not n:
     return rows(0.0), rows(0.0), rows(0.0)
-  stream = _current_stream_handle(hidden.device.index)
+  stream = current_stream_handle(hidden.device.index)
   hidden, weight = hidden.contiguous(), weight.contiguous()
   targets, temps = _int32(targets), _f32(temps)
   # rlk_jax's initial stats (pallas_kernels.linear_logp): max -inf, sums 0.
@@ -113,7 +113,7 @@ def backward(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
     return torch.zeros_like(hidden), (
         None if dw_accumulator is not None
         else hidden.new_zeros((v, h), dtype=weight.dtype))
-  stream = _current_stream_handle(hidden.device.index)
+  stream = current_stream_handle(hidden.device.index)
   hidden, weight = hidden.contiguous(), weight.contiguous()
   targets = _int32(targets)
   temps, lse, entropy, g_logp, g_entropy = (

@@ -12,7 +12,7 @@ import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_op, _library
-from rlk_torch_bridge._dlpack import check_same_device, check_tensor
+from rlk_torch_bridge._checks import check_same_device, check_tensor
 
 
 def _ints(t, what, device):

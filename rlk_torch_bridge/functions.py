@@ -9,7 +9,7 @@ import torch
 
 from rlk_jax import _pack, _validate
 from rlk_torch_bridge import _cpp_autograd, _gemm_op, _library, _pack_op
-from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
+from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 from rlk_torch_bridge._packinfo import PackInfo
 
 __all__ = ["PackInfo", "det_gemm", "pack", "unpack"]

@@ -10,7 +10,7 @@ import jax
 
 from rlk_jax import _linear_logp
 from rlk_torch_bridge import _library, _logp_op
-from rlk_torch_bridge._dlpack import check_same_device, check_tensor, jax_dtype
+from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 
 
 def _spec(t: torch.Tensor, transposed: bool = False) -> jax.ShapeDtypeStruct:
