@@ -33,8 +33,8 @@ BENCH = "logp"
 
 def _config(smoke: bool) -> dict:
   if smoke:
-    return dict(n=256, h=128, vocabs=(1000, 4096), e2e=(4, 64, 1000),
-                densities=(0.25, 1.0), torch_peers=((256, 128, 1024),))
+    return dict(n=256, h=128, vocabs=(1000,), e2e=(4, 64, 1000),
+                densities=(0.25,), torch_peers=((256, 128, 1024),))
   return dict(n=16384, h=4096, vocabs=(32768, 131072, 151936),
               e2e=(16, 1024, 32768), densities=(0.05, 0.25, 0.5, 1.0),
               # (N, H, V): the grid corners and middle.

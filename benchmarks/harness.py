@@ -122,6 +122,12 @@ def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
   shorter than the timer's jitter), the figure is the longer batch's time
   per call instead, an upper bound.
   """
+  if repeats is None and flags.FLAGS.is_parsed() and smoke_mode():
+    # Smoke sizes show that a benchmark runs end to end; their times (the
+    # kernels in interpreters) measure nothing worth the repeats. One
+    # warm-up and one round of one call, unless --repeats asks for more.
+    warmup, iters = min(warmup, 1), 1
+    repeats = REPEATS.value if REPEATS.present else 1
   repeats = repeats or REPEATS.value
   names = list(batches)
   for name in names:
