@@ -124,8 +124,9 @@ def time_interleaved(batches: dict[str, tuple[Callable[[int], None], int]],
   """
   if repeats is None and flags.FLAGS.is_parsed() and smoke_mode():
     # Smoke sizes show that a benchmark runs end to end; their times (the
-    # kernels in interpreters) measure nothing worth the repeats. One
-    # warm-up and one round of one call, unless --repeats asks for more.
+    # kernels in interpreters) measure nothing worth the repeats: one
+    # warm-up call and one round (batches of one and two calls); --repeats
+    # asks for more rounds. (A GPU run with --smoke too.)
     warmup, iters = min(warmup, 1), 1
     repeats = REPEATS.value if REPEATS.present else 1
   repeats = repeats or REPEATS.value
