@@ -289,10 +289,7 @@ def rlk_attention_backward(impl, settings, q, k, v, seqs, out, lse, g):
   ``rlk_...`` whole when it rewrites a traced backward, so these bits stay
   the kernels' own."""
   if settings.page:
-    raise NotImplementedError(
-        "det_attention: no gradients through a paged KV cache (a rollout's "
-        "cache); the training forward takes the packed, padded or "
-        "contiguous-cache layouts, which give the same bits")
+    raise NotImplementedError(PAGED_NO_GRADIENT)
   return TABLE.implementations[impl].fn[1](q, k, v, seqs, settings, out, lse,
                                            g)
 
@@ -458,6 +455,13 @@ def _masked_seqs(mask, segments: int):
     cols_of.append(jnp.stack([base * n + i0, q_len, base * s + key0, k_len]))
   seqs = jnp.stack(cols_of, axis=-1).reshape(4, b * segments)
   return seqs.astype(jnp.int32), fits
+
+
+# Both front ends' answer to a gradient through a paged cache.
+PAGED_NO_GRADIENT = (
+    "det_attention: no gradients through a paged KV cache (a rollout's "
+    "cache); the training forward takes the packed, padded or "
+    "contiguous-cache layouts, which give the same bits")
 
 
 def decode_plan(layout: str, q_shape, k_shape, group: int) -> tuple[int, int]:

@@ -368,10 +368,7 @@ class DetAttention(torch.autograd.Function):
   @torch.autograd.function.once_differentiable
   def backward(ctx, g, _):
     if ctx.page:
-      raise NotImplementedError(
-          "det_attention: no gradients through a paged KV cache (a "
-          "rollout's cache); the training forward takes the packed, padded "
-          "or contiguous-cache layouts, which give the same bits")
+      raise NotImplementedError(_attention.PAGED_NO_GRADIENT)
     q, k, v, seqs, out, lse = ctx.saved_tensors
     g = torch.zeros_like(out) if g is None else g.to(q.dtype).contiguous()
     dq, dk, dv = _library.below_autograd(BACKWARD, q, k, v, seqs, out, lse, g,
