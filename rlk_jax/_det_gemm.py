@@ -31,18 +31,19 @@ import cuda_ffi
 from pallas_kernels import det_matmul, det_matmul_mgpu
 from triton_kernels import backend as triton_backend
 from triton_kernels import det_matmul as triton_det_matmul
-from rlk_jax import _dispatch, _gemm_tuning, _sharding, reference
+from rlk_jax import _dispatch, _gemm_tuning, _sharding, _tree_reduction, reference
 
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-def _tiles(a, b, transpose_a, transpose_b):
+def _tiles(a, b, transpose_a, transpose_b, k_chunks=1):
   """(m, n, k) and the tile config of the K-ordered tiled kernels (Pallas
   and Triton share the vocabulary and the measured table)."""
   m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
                              a.dtype, a.dtype)[:3]
   return (m, n, k), _gemm_tuning.choose_pallas_config(
-      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype)
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype,
+      k_chunks=k_chunks)
 
 
 def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
@@ -53,14 +54,16 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
                            interpret=interpret, config=config)
 
 
-def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
+def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype, k_chunks=1):
+  # k_chunks: the kernel walks reduction_chunks' chunks and tree itself.
   def product(a, b):
-    (m, n, k), config = _tiles(a, b, transpose_a, transpose_b)
+    (m, n, k), config = _tiles(a, b, transpose_a, transpose_b, k_chunks)
     if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
       return jnp.zeros((m, n), out_dtype)
     return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
                                     transpose_b=transpose_b,
-                                    out_dtype=out_dtype, config=config)
+                                    out_dtype=out_dtype, config=config,
+                                    k_chunks=k_chunks)
   return _one_product_per_batch_element(product)(a, b)
 
 
@@ -178,9 +181,11 @@ TABLE = _dispatch.register_reference_and_pallas(
 @functools.lru_cache(maxsize=None)
 def _partitioned(impl, transpose_a, transpose_b, out_dtype):
   fn = TABLE.implementations[impl].fn
-  return _sharding.partitioned_product(
+  # custom_partitioning has no batching rule: under vmap, one partitioned
+  # product per element (each its unbatched bits).
+  return _one_product_per_batch_element(_sharding.partitioned_product(
       lambda a, b: fn(a, b, transpose_a, transpose_b, out_dtype),
-      transpose_a, transpose_b)
+      transpose_a, transpose_b))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -214,8 +219,77 @@ def _matmul_bwd(impl, transpose_a, transpose_b, out_dtype, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+# The tensor-parallel-invariant mode (``reduction_chunks``): the reduction
+# cut into chunks summed in one fixed tree (_tree_reduction gives the order).
+
+def _chunk(x, dim, index, size):
+  return jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
+
+
+def _subtree(impl, transpose_a, transpose_b, chunks, a, b):
+  """The f32 root of the subtree of `chunks` chunks these operands hold (all
+  of K, or one rank's neighbouring slice of it): each chunk one product."""
+  if impl == "triton" and chunks in triton_det_matmul.K_CHUNKS:
+    # One launch: the kernel walks the chunks and sums the tree in registers.
+    return _triton_matmul(a, b, transpose_a, transpose_b, jnp.float32,
+                          k_chunks=chunks)
+  fn = TABLE.implementations[impl].fn
+  k = a.shape[0] if transpose_a else a.shape[1]
+  size = k // chunks
+  a_dim, b_dim = (0 if transpose_a else 1), (1 if transpose_b else 0)
+  return _tree_reduction.tree_sum(
+      fn(_chunk(a, a_dim, c, size), _chunk(b, b_dim, c, size), transpose_a,
+         transpose_b, jnp.float32) for c in range(chunks))
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned_tree(impl, transpose_a, transpose_b, out_dtype, chunks):
+  def local(a, b, k_axis=None, ranks=1):
+    partial = _subtree(impl, transpose_a, transpose_b, chunks // ranks, a, b)
+    return _tree_reduction.finish_across(partial, k_axis, ranks).astype(
+        out_dtype)
+  return _one_product_per_batch_element(_sharding.partitioned_tree_product(
+      local, transpose_a, transpose_b, chunks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, a, b):
+  if _sharding.multi_device():  # a K sharded over a divisor of C stays so
+    return _partitioned_tree(impl, transpose_a, transpose_b, out_dtype,
+                             chunks)(a, b)
+  return _subtree(impl, transpose_a, transpose_b, chunks, a,
+                  b).astype(out_dtype)
+
+
+def _tree_matmul_fwd(impl, transpose_a, transpose_b, out_dtype, chunks, a, b):
+  return _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, a,
+                      b), (a, b)
+
+
+def _tree_matmul_bwd(impl, transpose_a, transpose_b, out_dtype, chunks,
+                     residuals, g):
+  # _matmul_bwd's products, with da's (a reduction over N, which a
+  # column-parallel layer splits) cut into chunks too; db reduces over rows,
+  # the data-parallel dimension: the default product.
+  a, b = residuals
+  g = g.astype(a.dtype)
+  if transpose_a:
+    da = _tree_matmul(impl, transpose_b, True, a.dtype, chunks, b, g)
+  else:
+    da = _tree_matmul(impl, False, not transpose_b, a.dtype, chunks, g, b)
+  if transpose_b:
+    db = _matmul(impl, True, transpose_a, b.dtype, g, a)
+  else:
+    db = _matmul(impl, not transpose_a, False, b.dtype, a, g)
+  return da, db
+
+
+_tree_matmul.defvjp(_tree_matmul_fwd, _tree_matmul_bwd)
+
+
 def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
-             transpose_b: bool = False) -> jax.Array:
+             transpose_b: bool = False,
+             reduction_chunks: int | None = None) -> jax.Array:
   """Batch-invariant ``a [..., K] @ b [K, N]`` with f32 accumulation.
 
   Args:
@@ -229,12 +303,24 @@ def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
       SM90 GPU, bf16 operands, K and N multiples of 8), or one of those names
       (which raises if it cannot run this call). Pin one name in both rollout
       and training to get the same bits in both.
+    reduction_chunks: None (the default order), or C, a power of two
+      dividing K and N: the tensor-parallel-invariant mode. K is cut into C
+      chunks, each an f32 product, summed in one fixed binary tree (and the
+      input gradient's reduction over N likewise), so the bits do not depend
+      on how many devices a mesh splits K (or N) over: under ``jit`` a
+      reduction dimension sharded over a divisor of C stays sharded (no
+      gather of the weight) and the devices finish the tree in rank order.
+      Rows stay invariant; the bits differ from the default order's.
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
   call = plan(a, b, out_dtype=out_dtype, implementation=implementation,
-              transpose_b=transpose_b)
-  c = _matmul(call.implementation, False, transpose_b, call.out_dtype,
-              a.reshape(call.m, call.k), b)
+              transpose_b=transpose_b, reduction_chunks=reduction_chunks)
+  a2 = a.reshape(call.m, call.k)
+  if reduction_chunks is None:
+    c = _matmul(call.implementation, False, transpose_b, call.out_dtype, a2, b)
+  else:
+    c = _tree_matmul(call.implementation, False, transpose_b, call.out_dtype,
+                     reduction_chunks, a2, b)
   return c.reshape(*a.shape[:-1], call.n)
 
 
@@ -264,7 +350,8 @@ def det_gemm_tune_pending() -> int:
 
 
 def plan(a, b, *, out_dtype=None, implementation: str | None = None,
-         transpose_b: bool = False, platform: str | None = None) -> GemmPlan:
+         transpose_b: bool = False, platform: str | None = None,
+         reduction_chunks: int | None = None) -> GemmPlan:
   """Checks a det_gemm call and chooses its implementation.
 
   `a` and `b` need only ``shape`` and a ``dtype`` JAX knows (arrays, or
@@ -277,12 +364,13 @@ def plan(a, b, *, out_dtype=None, implementation: str | None = None,
   return _plan(tuple(a.shape), jnp.dtype(a.dtype), tuple(b.shape),
                jnp.dtype(b.dtype), None if out_dtype is None
                else jnp.dtype(out_dtype), implementation, bool(transpose_b),
-               platform or _dispatch.current_platform(), cuda_ffi.generation())
+               platform or _dispatch.current_platform(), cuda_ffi.generation(),
+               reduction_chunks)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(a_shape, a_dtype, b_shape, b_dtype, out_dtype, implementation,
-          transpose_b, platform, generation) -> GemmPlan:
+          transpose_b, platform, generation, chunks=None) -> GemmPlan:
   a = jax.ShapeDtypeStruct(a_shape, a_dtype)
   b = jax.ShapeDtypeStruct(b_shape, b_dtype)
   _check(a, b, transpose_b)
@@ -292,9 +380,28 @@ def _plan(a_shape, a_dtype, b_shape, b_dtype, out_dtype, implementation,
                     f" use one of {', '.join(map(str, GEMM_DTYPES))}.")
   n, k = b.shape if transpose_b else b.shape[::-1]
   m = math.prod(a.shape[:-1])
-  impl = TABLE.select(implementation, platform, operands=product_operands(
-      (m, k), b.shape, False, transpose_b, a.dtype, out_dtype)).name
-  return GemmPlan(impl, out_dtype, m, n, k)
+  if chunks is None:
+    impl = TABLE.select(implementation, platform, operands=product_operands(
+        (m, k), b.shape, False, transpose_b, a.dtype, out_dtype)).name
+    return GemmPlan(impl, out_dtype, m, n, k)
+  _tree_reduction.check_chunks(chunks, k, n)
+  # An implementation that takes both the forward's chunks (K/C) and the
+  # input gradient's (N/C).
+  kc, nc = k // chunks, n // chunks
+  forward = product_operands((m, kc), (n, kc) if transpose_b else (kc, n),
+                             False, transpose_b, a.dtype, out_dtype)
+  backward = product_operands((m, nc), (nc, k) if transpose_b else (k, nc),
+                              False, not transpose_b, a.dtype, a.dtype)
+  passing = ()
+  while True:
+    chosen = TABLE.select(implementation, platform, forward, passing)
+    reason = chosen.operand_reason(backward)
+    if reason is None:
+      return GemmPlan(chosen.name, out_dtype, m, n, k)
+    if implementation is not None:
+      raise ValueError(f"rlk_jax.det_gemm: implementation {implementation!r} "
+                       f"cannot take the input gradient's chunks: {reason}")
+    passing += (chosen.name,)
 
 
 def _check(a, b, transpose_b=False):

@@ -123,3 +123,54 @@ def partitioned_rows(local, n_outputs: int, n_row_inputs: int = 1):
                     + ", ".join(["n"] * n_outputs),
       need_replication_factors=("h", "v"))
   return rows
+
+
+def partitioned_tree_product(local, transpose_a: bool, transpose_b: bool,
+                             chunks: int):
+  """`local(a, b, k_axis, ranks)` (det_gemm's chunked mode: the reduction
+  in `chunks` chunks summed in a fixed tree) as a partitioned op. Rows and
+  columns stay local as in `partitioned_product`; a reduction dimension K
+  sharded over a mesh axis of t devices, t dividing `chunks`, stays
+  sharded: each device sums its neighbouring chunks' subtree and `local`
+  finishes the tree across the axis in rank order, so the weight is never
+  gathered and the bits are the one-device bits. Another K sharding is
+  gathered first (the same bits, the weight's memory on every device)."""
+  a_dims, b_dims = _dims(transpose_a, transpose_b)
+
+  @custom_partitioning
+  def product(a, b):
+    return local(a, b)
+
+  def axis(spec, dim):
+    return spec[dim] if dim < len(spec) else None
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    a_spec = arg_shapes[0].sharding.spec
+    b_spec = arg_shapes[1].sharding.spec
+    m_axis = axis(a_spec, a_dims.index("m"))
+    n_axis = axis(b_spec, b_dims.index("n"))
+    if n_axis is not None and n_axis == m_axis:
+      n_axis = None
+    k_axis = axis(a_spec, a_dims.index("k"))
+    if k_axis != axis(b_spec, b_dims.index("k")) or k_axis in (m_axis, n_axis):
+      k_axis = None
+    ranks = 1
+    if k_axis is not None:
+      names = k_axis if isinstance(k_axis, tuple) else (k_axis,)
+      ranks = 1
+      for name in names:
+        ranks *= mesh.shape[name]
+      if chunks % ranks:
+        k_axis, ranks = None, 1  # not a whole subtree per device: gathered
+    names = {"m": m_axis, "n": n_axis, "k": k_axis}
+    a_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in a_dims)))
+    b_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in b_dims)))
+    out = NamedSharding(mesh, PartitionSpec(m_axis, n_axis))
+    lower = lambda a, b: local(a, b, k_axis, ranks)
+    return mesh, lower, out, (a_sharding, b_sharding)
+
+  product.def_partition(
+      partition,
+      sharding_rule=f"{' '.join(a_dims)}, {' '.join(b_dims)} -> m n")
+  return product

@@ -31,8 +31,34 @@ def torch_dtype(dtype) -> torch.dtype:
   raise TypeError(f"rlk_torch_bridge: no torch dtype for {dtype}.")
 
 
+_JAX_ON_GPU: list[bool] = []
+
+
 def platform_of(t: torch.Tensor) -> str:
-  return "gpu" if t.device.type == "cuda" else "cpu"
+  """"gpu" for a CUDA tensor (after starting JAX's GPU backend the first
+  time, keeping torch's current device), else "cpu"."""
+  if t.device.type != "cuda":
+    return "cpu"
+  if not _JAX_ON_GPU:
+    _start_jax_keeping_torch_device()
+  return "gpu"
+
+
+def _start_jax_keeping_torch_device() -> None:
+  # JAX's GPU backend, started lazily by whatever first asks it something,
+  # makes a context on every visible GPU and leaves the last one current:
+  # in a process of a multi-GPU job (torchrun: one rank per GPU, every GPU
+  # visible) torch's later allocations and NCCL calls would go to that GPU
+  # (seen on 4 H200s, 2026-11-28: "Tensor found on device cuda:3 but
+  # backend constrained to cuda:0"). Started here, before any bridged op
+  # asks, with torch's device set back after.
+  import jax
+  device = torch.cuda.current_device()
+  try:
+    jax.devices()
+  finally:
+    torch.cuda.set_device(device)
+  _JAX_ON_GPU.append(True)
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:

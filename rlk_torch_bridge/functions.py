@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from rlk_jax import _pack, _validate
-from rlk_torch_bridge import _cpp_autograd, _gemm_op, _library, _pack_op
+from rlk_torch_bridge import (_cpp_autograd, _gemm_op, _library, _pack_op,
+                              _tree_gemm)
 from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 from rlk_torch_bridge._packinfo import PackInfo
 
@@ -17,19 +18,28 @@ __all__ = ["PackInfo", "det_gemm", "pack", "unpack"]
 
 def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
              implementation: str | None = None,
-             transpose_b: bool = False) -> torch.Tensor:
+             transpose_b: bool = False,
+             reduction_chunks: int | None = None) -> torch.Tensor:
   """``rlk_jax.det_gemm`` for torch tensors: the same kernel, the same bits.
 
   ``a`` is ``[..., K]``; ``b`` is ``[K, N]``, or ``[N, K]``
   (``nn.Linear.weight``) with ``transpose_b=True``. `implementation` None
   picks, like rlk_jax, the best one for the tensors' device and operands;
   pin it to match a JAX rollout exactly. Runs as the operator
-  ``torch.ops.rlk.det_mm``.
+  ``torch.ops.rlk.det_mm``. `reduction_chunks`: rlk_jax's
+  tensor-parallel-invariant mode (the reduction in C chunks summed in one
+  fixed tree; ``RowParallelDetLinear``/``ColumnParallelDetLinear`` split it
+  over a process group with the same bits).
   """
   check_tensor("det_gemm", "a", a)
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
   out_dtype = a.dtype if out_dtype is None else out_dtype
+  if reduction_chunks is not None:
+    return _tree_gemm.tree_gemm(a, b, transpose_b=transpose_b,
+                                out_dtype=out_dtype,
+                                implementation=implementation,
+                                chunks=reduction_chunks)
   if (a.is_cuda and _cpp_autograd.enabled()
       and not torch.compiler.is_compiling()):
     run = _cpp_autograd.product(a, b, transpose_b, out_dtype, implementation)

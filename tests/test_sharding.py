@@ -11,7 +11,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["sharded_gemm_logp_checks.py", "sharded_pack_checks.py",
-          "sharded_batch_invariant_checks.py"]
+          "sharded_batch_invariant_checks.py", "sharded_tree_checks.py"]
 
 
 def run_checks(checks, env):

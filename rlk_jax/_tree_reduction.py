@@ -1,0 +1,77 @@
+"""One fixed reduction order for sums split over tensor-parallel ranks.
+
+A row-parallel layer splits its reduction (K) over the ranks: each rank sums
+its slice and the partials are added across ranks, so the order of the sum,
+and the bits, depend on the number of ranks. rlk's tensor-parallel-invariant
+mode cuts the reduction into C equal chunks whatever the number of ranks:
+
+* each chunk is an ordinary det_gemm product with an f32 result (its own K
+  walk from a fresh accumulator: row-invariant as ever);
+* the C partials are added pairwise, neighbours first, in f32:
+  ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` for C = 8;
+* the root is rounded to the output dtype once.
+
+A rank holding 1/t of the reduction (t a power of two dividing C) owns C/t
+neighbouring chunks, a whole subtree: it sums that subtree, and the t roots,
+gathered in rank order, finish the same tree. So the bits are the same at
+t = 1, 2, 4, ..., C (and differ from the default det_gemm's: another order).
+
+This module holds the order itself (`tree_sum`, framework-agnostic: the
+torch bridge sums its partials with it) and its checks; det_gemm's
+``reduction_chunks`` mode and linear_logp use it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def tree_sum(parts):
+  """The fixed binary tree over `parts` (a power-of-two count): neighbours
+  first, the earlier chunk always the left operand. Anything with ``+``."""
+  parts = list(parts)
+  if not parts or len(parts) & (len(parts) - 1):
+    raise ValueError(f"rlk: a reduction tree needs a power-of-two number of "
+                     f"partials, got {len(parts)}.")
+  while len(parts) > 1:
+    parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+  return parts[0]
+
+
+def check_power_of_two(chunks, what: str, name: str = "reduction_chunks"):
+  if (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1
+      or chunks & (chunks - 1)):
+    raise ValueError(f"{what}: {name} must be a power of two (1, 2, 4, 8, "
+                     f"...), got {chunks!r}.")
+
+
+def check_chunks(chunks, k: int, n: int, what: str = "rlk_jax.det_gemm"):
+  """Raises unless `chunks` is a power of two dividing both K (cut in the
+  forward) and N (cut in the input gradient)."""
+  check_power_of_two(chunks, what)
+  for name, size, role in (("K", k, "the forward's reduction"),
+                           ("N", n, "the input gradient's reduction")):
+    if size % chunks:
+      raise ValueError(
+          f"{what}: reduction_chunks={chunks} must divide {name}={size} "
+          f"({role}); a product of K={k}, N={n} cannot be cut into "
+          f"{chunks} equal chunks.")
+
+
+def check_ranks(chunks: int, ranks: int, what: str):
+  """A rank must hold whole neighbouring chunks: `ranks` divides `chunks`."""
+  if ranks < 1 or chunks % ranks:
+    raise ValueError(f"{what}: {ranks} ranks cannot each hold a whole "
+                     f"subtree of reduction_chunks={chunks} chunks: the "
+                     f"number of ranks must divide it (so at most {chunks}).")
+
+
+def finish_across(partial, axis_name, ranks: int):
+  """The tree's top levels across the `ranks` devices of `axis_name`, each
+  holding the root of its neighbouring subtree: gathered in rank order (not
+  an all-reduce, whose order is the collective's own) and summed in the same
+  tree on every device."""
+  if ranks == 1:
+    return partial
+  roots = jax.lax.all_gather(partial, axis_name)
+  return tree_sum(roots[r] for r in range(ranks))

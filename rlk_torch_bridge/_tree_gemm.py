@@ -1,0 +1,137 @@
+"""det_gemm's tensor-parallel-invariant mode for torch tensors: rlk_jax's
+``reduction_chunks`` (its order: ``rlk_jax._tree_reduction``), each chunk one
+``rlk::det_mm`` product with an f32 result, the chunks' tree summed with the
+same ``tree_sum``; optionally across the ranks of a process group.
+
+A product's reduction may be split over a group: K in the forward (a
+row-parallel layer's weight holds K/t of the input features), N in the input
+gradient (a column-parallel layer's weight holds N/t of the outputs). Each
+rank sums the subtree of its C/t neighbouring chunks; the t roots are
+gathered in rank order (``all_gather``, not ``all_reduce``, whose order is
+the collective's) and every rank finishes the same tree. The bits are those
+of one process with the whole weight, and of rlk_jax's mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+import torch.distributed as dist
+
+from rlk_jax import _det_gemm, _gemm_tuning, _tree_reduction
+from rlk_torch_bridge import _gemm_op, _library
+from triton_kernels import det_matmul as triton_det_matmul
+from rlk_torch_bridge._checks import jax_dtype, platform_of
+
+
+def ranks(group) -> int:
+  return 1 if group is None else dist.get_world_size(group)
+
+
+def plan(m, k, n, transpose_b, dtype, out_dtype, implementation, chunks,
+         platform) -> str:
+  """rlk_jax's checks and implementation choice for the whole (unsplit)
+  product, whose chunks every rank's products are."""
+  a = jax.ShapeDtypeStruct((m, k), jax_dtype(dtype))
+  b = jax.ShapeDtypeStruct((n, k) if transpose_b else (k, n), jax_dtype(dtype))
+  return _det_gemm.plan(a, b, out_dtype=jax_dtype(out_dtype),
+                        implementation=implementation, transpose_b=transpose_b,
+                        platform=platform,
+                        reduction_chunks=chunks).implementation
+
+
+def _columns(x, c, size):
+  return x[:, c * size:(c + 1) * size].contiguous()
+
+
+def _rows(x, c, size):
+  return x[c * size:(c + 1) * size]
+
+
+def _subtree(a, b, transpose_b, chunks, impl):
+  """The f32 root of `chunks` neighbouring chunks of ``a [M, K] @ op(b)``:
+  K cut into equal chunks, each one det_mm (or, on the Triton route, one
+  kernel walking them all: the same bits)."""
+  m, k = a.shape
+  n = b.shape[0] if transpose_b else b.shape[1]
+  if (impl == "triton" and a.is_cuda and m and n
+      and chunks in triton_det_matmul.K_CHUNKS):
+    config = _gemm_tuning.choose_pallas_config(
+        m, n, k, transpose_a=False, transpose_b=transpose_b,
+        dtype=jax_dtype(a.dtype), k_chunks=chunks)
+    out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    return triton_det_matmul.matmul_torch(
+        a.contiguous(), b.contiguous(), out, transpose_a=False,
+        transpose_b=transpose_b, config=config, k_chunks=chunks)
+  size = k // chunks
+  b_chunk = _columns if transpose_b else _rows
+  return _tree_reduction.tree_sum(
+      _library.below_autograd(_gemm_op.OP, _columns(a, c, size),
+                              b_chunk(b, c, size), False, transpose_b,
+                              torch.float32, impl)
+      for c in range(chunks))
+
+
+def _finish(partial, group):
+  """The tree's top levels across `group`: the ranks' roots in rank order."""
+  if ranks(group) == 1:
+    return partial
+  roots = [torch.empty_like(partial) for _ in range(ranks(group))]
+  dist.all_gather(roots, partial.contiguous(), group=group)
+  return _tree_reduction.tree_sum(roots)
+
+
+class TreeMm(torch.autograd.Function):
+  """``a [M, K_local] @ op(b)`` with its reductions in the fixed tree:
+  forward over K (split over `k_group`), the input gradient over N (split
+  over `n_group`); the weight gradient reduces over rows: the default
+  det_mm, local to each rank."""
+
+  @staticmethod
+  def forward(ctx, a, b, transpose_b, out_dtype, impl, chunks, k_group,
+              n_group):
+    ctx.save_for_backward(a, b)
+    ctx.flags = (transpose_b, impl, chunks, n_group)
+    partial = _subtree(a, b, transpose_b, chunks // ranks(k_group), impl)
+    return _finish(partial, k_group).to(out_dtype)
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    a, b = ctx.saved_tensors
+    transpose_b, impl, chunks, n_group = ctx.flags
+    g = g.to(a.dtype).contiguous()
+    da = db = None
+    if ctx.needs_input_grad[0]:
+      # da = g @ op(b)^T: b [N, K] read as [K_bwd = N, K] or b [K, N] read
+      # transposed; N cut into chunks.
+      partial = _subtree(g, b, not transpose_b, chunks // ranks(n_group), impl)
+      da = _finish(partial, n_group).to(a.dtype)
+    if ctx.needs_input_grad[1]:
+      product = lambda x, y, ta, tb: _library.below_autograd(
+          _gemm_op.OP, x, y, ta, tb, b.dtype, impl)
+      db = product(g, a, True, False) if transpose_b else product(
+          a, g, True, False)
+    return da, db, None, None, None, None, None, None
+
+
+def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
+              k_group=None, n_group=None, whole_k=None, whole_n=None):
+  """`a [..., K_local]` through `TreeMm`; `whole_k`/`whole_n`: the unsplit
+  sizes, for the checks and the implementation choice."""
+  n_local, k_b = (b.shape if transpose_b else b.shape[::-1])
+  if k_b != a.shape[-1]:
+    raise ValueError(f"rlk_torch_bridge.det_gemm: inner dimensions differ: a "
+                     f"has shape {tuple(a.shape)} and b {tuple(b.shape)} "
+                     f"(transpose_b={transpose_b}).")
+  for name, group in (("K", k_group), ("N", n_group)):
+    _tree_reduction.check_ranks(chunks, ranks(group),
+                                f"rlk_torch_bridge ({name} split)")
+  lead = a.shape[:-1]
+  a2 = a.reshape(-1, a.shape[-1])
+  impl = plan(a2.shape[0], whole_k or k_b * ranks(k_group),
+              whole_n or n_local * ranks(n_group), transpose_b, a.dtype,
+              out_dtype, implementation, chunks, platform_of(a))
+  out = TreeMm.apply(a2, b, transpose_b, out_dtype, impl, chunks, k_group,
+                     n_group)
+  return out.reshape(*lead, n_local)

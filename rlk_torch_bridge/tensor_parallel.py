@@ -1,0 +1,153 @@
+"""Tensor-parallel linear layers whose bits do not depend on the number of
+ranks: Megatron's row- and column-parallel layers with det_gemm's
+tensor-parallel-invariant mode (``reduction_chunks``).
+
+    group = torch.distributed.new_group(...)      # t ranks, t divides C
+    up = ColumnParallelDetLinear.from_linear(mlp.up_proj, group)
+    down = RowParallelDetLinear.from_linear(mlp.down_proj, group)
+    y = down(act(up(x)))      # the bits of one GPU's DetLinear chain in the mode
+
+A row-parallel layer holds K/t of the input features: its forward sums the
+reduction in C fixed chunks, each rank the subtree of its own, and the ranks'
+roots finish the tree in rank order (an all-gather of f32 partials, not
+torch's all-reduce). A column-parallel layer holds N/t of the outputs: its
+forward is local, and the input gradient's reduction over N is split the same
+way. At every t dividing C (1, 2, 4, 8 for C = 8) forward, input and weight
+gradients carry the bits of one process running
+``rlk_torch_bridge.det_gemm(x, weight, transpose_b=True,
+reduction_chunks=C)`` with the whole weight, and rlk_jax's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlk_torch_bridge import _tree_gemm
+
+__all__ = ["ColumnParallelDetLinear", "RowParallelDetLinear"]
+
+
+def _rank_and_size(group):
+  if group is None:
+    return 0, 1
+  return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _shard(size: int, parts: int, what: str) -> int:
+  if size % parts:
+    raise ValueError(f"rlk_torch_bridge.{what}: {size} features cannot be "
+                     f"split evenly over {parts} ranks.")
+  return size // parts
+
+
+class _ParallelDetLinear(nn.Module):
+  split_dim: int   # the weight's dimension ([out, in]) split over the group
+
+  def __init__(self, in_features: int, out_features: int, group=None,
+               reduction_chunks: int = 8, bias: bool = True, device=None,
+               dtype=None, implementation: str | None = None):
+    super().__init__()
+    self.in_features, self.out_features = in_features, out_features
+    self.group, self.reduction_chunks = group, reduction_chunks
+    self.implementation = implementation
+    rank, size = _rank_and_size(group)
+    self.rank, self.ranks = rank, size
+    name = type(self).__name__
+    shape = [out_features, in_features]
+    shape[self.split_dim] = _shard(shape[self.split_dim], size, name)
+    kwargs = dict(device=device, dtype=dtype)
+    self.weight = nn.Parameter(torch.empty(*shape, **kwargs))
+    bias_size = shape[0]
+    self.bias = nn.Parameter(torch.zeros(bias_size, **kwargs)) if bias else None
+    nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+  @classmethod
+  def from_linear(cls, linear: nn.Linear, group=None, reduction_chunks: int = 8,
+                  implementation: str | None = None):
+    """This rank's shard of a whole `linear` (every rank holding the same
+    one, as after loading a checkpoint): a copy of its slice."""
+    module = cls(linear.in_features, linear.out_features, group,
+                 reduction_chunks, linear.bias is not None,
+                 linear.weight.device, linear.weight.dtype, implementation)
+    with torch.no_grad():
+      module.weight.copy_(module._local(linear.weight, module.split_dim))
+      if linear.bias is not None:
+        module.bias.copy_(module._local_bias(linear.bias))
+    return module
+
+  def _local(self, whole, dim):
+    size = whole.shape[dim] // self.ranks
+    return whole.narrow(dim, self.rank * size, size)
+
+  def extra_repr(self) -> str:
+    return (f"in_features={self.in_features}, out_features={self.out_features},"
+            f" ranks={self.ranks}, reduction_chunks={self.reduction_chunks}, "
+            f"bias={self.bias is not None}")
+
+
+class RowParallelDetLinear(_ParallelDetLinear):
+  """``nn.Linear`` with the input features split over `group`: takes this
+  rank's slice of the input (``[..., in/t]``, a column-parallel layer's
+  output) and returns the whole output on every rank. Weight
+  ``[out, in/t]``; the bias whole on every rank, added after the tree."""
+  split_dim = 1
+
+  def _local_bias(self, bias):
+    return bias
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    y = _tree_gemm.tree_gemm(
+        x, self.weight, transpose_b=True, out_dtype=x.dtype,
+        implementation=self.implementation, chunks=self.reduction_chunks,
+        k_group=self.group, whole_k=self.in_features)
+    return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelDetLinear(_ParallelDetLinear):
+  """``nn.Linear`` with the output features split over `group`: takes the
+  whole input and returns this rank's slice of the output (``[...,
+  out/t]``), or, with ``gather_output``, the whole output. Weight and bias
+  ``[out/t, in]``, ``[out/t]``."""
+  split_dim = 0
+
+  def __init__(self, *args, gather_output: bool = False, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.gather_output = gather_output
+
+  def _local_bias(self, bias):
+    return self._local(bias, 0)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    y = _tree_gemm.tree_gemm(
+        x, self.weight, transpose_b=True, out_dtype=x.dtype,
+        implementation=self.implementation, chunks=self.reduction_chunks,
+        n_group=self.group, whole_n=self.out_features)
+    if self.bias is not None:
+      y = y + self.bias
+    if not self.gather_output or self.ranks == 1:
+      return y
+    return _gather_last_dim(y, self.group)
+
+
+class _GatherLastDim(torch.autograd.Function):
+  """Concatenates the ranks' slices along the last dimension (no
+  arithmetic); the gradient is this rank's slice."""
+
+  @staticmethod
+  def forward(ctx, y, group):
+    ctx.group = group
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+  @staticmethod
+  def backward(ctx, g):
+    rank, size = _rank_and_size(ctx.group)
+    width = g.shape[-1] // size
+    return g.narrow(-1, rank * width, width), None
+
+
+def _gather_last_dim(y, group):
+  return _GatherLastDim.apply(y, group)

@@ -1,0 +1,108 @@
+"""det_gemm's tensor-parallel-invariant mode (``reduction_chunks``) inside
+sharded jit programs: the weight split along its reduction dimension over
+1, 2, 4 and 8 devices gives the same bits, forward and gradients, and only
+f32 partials travel (never the weight). Run by tests/test_sharding.py in a
+child process: on 8 host devices, or on the GPUs of a multi-GPU machine."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import rlk_jax
+from conftest import assert_bitwise_equal, random_array
+from sharding_setup import DEVICES, IMPLEMENTATIONS, operand_dtype, single
+
+# On a GPU the Triton kernel that walks the chunks itself takes part too.
+IMPLS = list(IMPLEMENTATIONS) + (
+    ["triton"] if jax.default_backend() == "gpu" else [])
+CHUNKS = 8
+DEGREES = [t for t in (1, 2, 4, 8) if t <= DEVICES]
+
+
+def tp_mesh(t, data=1):
+  devices = np.array(jax.devices()[:t * data]).reshape(data, t)
+  return Mesh(devices, ("data", "tp"))
+
+
+def put(mesh, x, *spec):
+  return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def layer(impl):
+  """A linear layer in the mode (nn.Linear's [N, K] weight) and its VJP with
+  a given cotangent: output, d input, d weight."""
+  def forward(x, w):
+    return rlk_jax.det_gemm(x, w, transpose_b=True, implementation=impl,
+                            reduction_chunks=CHUNKS)
+
+  @jax.jit
+  def step(x, w, g):
+    y, vjp = jax.vjp(forward, x, w)
+    return (y, *vjp(g))
+  return step
+
+
+def gathered_shapes(hlo: str) -> list[str]:
+  return re.findall(r"= (\S+) all-gather\(", hlo)
+
+
+# Row-parallel (the weight split along K: its columns in the [N, K] layout)
+# and column-parallel (split along N: its rows); rows of x may be split too.
+LAYOUTS = {
+    "row_parallel": dict(x=(None, "tp"), w=(None, "tp"), g=()),
+    "column_parallel": dict(x=(), w=("tp", None), g=(None, "tp")),
+    "row_parallel_data": dict(x=("data", "tp"), w=(None, "tp"), g=("data",)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_tp_degree_gives_the_same_bits(impl, layout, rng):
+  specs = LAYOUTS[layout]
+  data = 2 if "data" in layout else 1
+  m, k, n = 48, 256, 64  # K/8 = 32 and N/8 = 8: 16-byte pitches in bf16
+  dtype = operand_dtype(impl)
+  x = random_array(rng, (m, k), dtype)
+  w = random_array(rng, (n, k), dtype)
+  g = random_array(rng, (m, n), dtype)
+  step = layer(impl)
+  want = step(single(x), single(w), single(g))
+  hlo_one = step.lower(single(x), single(w), single(g)).compile().as_text()
+  assert not gathered_shapes(hlo_one)
+  for t in [t for t in DEGREES if t * data <= DEVICES]:
+    mesh = tp_mesh(t, data)
+    args = (put(mesh, x, *specs["x"]), put(mesh, w, *specs["w"]),
+            put(mesh, g, *specs["g"]))
+    got = step(*args)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+      assert_bitwise_equal(a, b, f"{layout}, {t} devices: {name}")
+    hlo = step.lower(*args).compile().as_text()
+    assert "all-reduce" not in hlo, hlo[:3000]
+    # The weight never travels. With only the weight's K split, what does is
+    # the f32 roots of the devices' subtrees ([t, rows, cols]); with rows
+    # split too, dW's rows are gathered as in the default mode.
+    gathered = gathered_shapes(hlo)
+    assert not any(s.split("{")[0].endswith(f"[{n},{k}]") for s in gathered), (
+        gathered)
+    if data == 1:
+      assert all(s.startswith(f"f32[{t},") for s in gathered), gathered
+
+
+def test_a_degree_that_cannot_hold_whole_subtrees_is_gathered(rng):
+  # 2 chunks over 4 devices: a device would hold half a chunk, so the
+  # partitioner gathers K (the weight's memory on every device, the bits
+  # unchanged).
+  if DEVICES < 4:
+    pytest.skip("needs 4 devices")
+  x = random_array(rng, (16, 64), jnp.float32)
+  w = random_array(rng, (24, 64), jnp.float32)
+  f = jax.jit(functools.partial(rlk_jax.det_gemm, transpose_b=True,
+                                implementation="xla", reduction_chunks=2))
+  mesh = tp_mesh(4)
+  got = f(put(mesh, x, None, "tp"), put(mesh, w, None, "tp"))
+  assert_bitwise_equal(got, f(single(x), single(w)))

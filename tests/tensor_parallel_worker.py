@@ -1,0 +1,57 @@
+"""One rank of a tensor-parallel check (tests/test_tensor_parallel_torch.py
+starts one process per rank): a column-parallel then a row-parallel
+DetLinear, split from whole nn.Linear layers every rank builds from one
+seed, forward and backward with a given cotangent. Writes this rank's
+output, input gradient and weight-gradient shards to OUT/rank{r}.pt."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import rlk_torch_bridge
+
+
+def mlp_case(seed, device, dtype, m, k, hidden, n):
+  """The whole layers, the input and the cotangent, drawn alike everywhere."""
+  gen = torch.Generator().manual_seed(seed)
+  draw = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
+  up = torch.nn.Linear(k, hidden, bias=True)
+  down = torch.nn.Linear(hidden, n, bias=True)
+  with torch.no_grad():
+    for layer in (up, down):
+      layer.weight.copy_(draw(*layer.weight.shape))
+      layer.bias.copy_(draw(*layer.bias.shape))
+  return up.to(device, dtype), down.to(device, dtype), draw(m, k), draw(m, n)
+
+
+def main():
+  out, seed, device, impl = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+  backend = "nccl" if device == "cuda" else "gloo"
+  device_id = None
+  if device == "cuda":
+    device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device_id)
+  dist.init_process_group(backend, device_id=device_id)
+  rank = dist.get_rank()
+  dtype = torch.bfloat16 if device == "cuda" else torch.float32
+  up, down, x, g = mlp_case(seed, device, dtype, m=24, k=256, hidden=128, n=64)
+  group = dist.group.WORLD
+  col = rlk_torch_bridge.ColumnParallelDetLinear.from_linear(
+      up, group, reduction_chunks=8, implementation=impl)
+  row = rlk_torch_bridge.RowParallelDetLinear.from_linear(
+      down, group, reduction_chunks=8, implementation=impl)
+  x.requires_grad_(True)
+  y = row(torch.relu(col(x)))
+  y.backward(g)
+  torch.save({"y": y.detach().cpu(), "dx": x.grad.cpu(),
+              "d_up": col.weight.grad.cpu(), "d_down": row.weight.grad.cpu(),
+              "d_up_bias": col.bias.grad.cpu(),
+              "d_down_bias": row.bias.grad.cpu()},
+             os.path.join(out, f"rank{rank}.pt"))
+  dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+  main()

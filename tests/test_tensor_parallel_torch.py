@@ -1,0 +1,129 @@
+"""The torch tensor-parallel layers (rlk_torch_bridge.tensor_parallel):
+rlk_jax's bits in one process, and the same bits at 1, 2 and 4 ranks (gloo
+processes on the CPU; NCCL on the GPUs of a multi-GPU machine)."""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import rlk_jax
+import rlk_torch_bridge
+from conftest import assert_bitwise_equal
+from tensor_parallel_worker import mlp_case
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def as_jax(t):
+  # On the CPU device, as the torch tensors are: the "xla" route's bits are
+  # the CPU's (XLA on a GPU may fuse its multiply-adds).
+  x = jnp.asarray(t.detach().float().cpu().numpy()).astype(
+      {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[t.dtype])
+  return jax.device_put(x, jax.devices("cpu")[0])
+
+
+def test_torch_mode_has_rlk_jax_bits(rng):
+  a = torch.tensor(rng.standard_normal((21, 128)), dtype=torch.float32,
+                   requires_grad=True)
+  w = torch.tensor(rng.standard_normal((32, 128)), dtype=torch.float32,
+                   requires_grad=True)
+  g = torch.tensor(rng.standard_normal((21, 32)), dtype=torch.float32)
+  y = rlk_torch_bridge.det_gemm(a, w, transpose_b=True, reduction_chunks=4,
+                                implementation="xla")
+  y.backward(g)
+  mode = functools.partial(rlk_jax.det_gemm, transpose_b=True,
+                           implementation="xla", reduction_chunks=4)
+  want, vjp = jax.vjp(mode, as_jax(a), as_jax(w))
+  want_da, want_dw = vjp(as_jax(g))
+  for got, expected in ((y, want), (a.grad, want_da), (w.grad, want_dw)):
+    assert_bitwise_equal(got.detach().numpy(), np.asarray(expected))
+
+
+def test_bad_splits_raise():
+  with pytest.raises(ValueError, match="must divide K=100"):
+    rlk_torch_bridge.det_gemm(torch.ones(2, 100), torch.ones(8, 100),
+                              transpose_b=True, reduction_chunks=8)
+  with pytest.raises(ValueError, match="power of two"):
+    rlk_torch_bridge.det_gemm(torch.ones(2, 96), torch.ones(8, 96),
+                              transpose_b=True, reduction_chunks=6)
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, world, seed, device, impl):
+  port = free_port()
+  procs = []
+  for rank in range(world):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
+                                           os.environ.get("PYTHONPATH", "")]))
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "tensor_parallel_worker.py"),
+         str(tmp_path), str(seed), device, impl], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+  return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def whole(ranks, name, dim):
+  return torch.cat([r[name] for r in ranks], dim=dim)
+
+
+def check_degrees(tmp_path, rng, device, impl, degrees):
+  seed = int(rng.integers(2**31))
+  results = {}
+  for world in degrees:
+    out = tmp_path / f"tp{world}"
+    out.mkdir()
+    ranks = run_ranks(out, world, seed, device, impl)
+    for r in ranks[1:]:  # the row-parallel output and dx: whole on every rank
+      assert torch.equal(r["y"], ranks[0]["y"]) and torch.equal(r["dx"],
+                                                                  ranks[0]["dx"])
+    results[world] = dict(
+        y=ranks[0]["y"], dx=ranks[0]["dx"], d_up=whole(ranks, "d_up", 0),
+        d_down=whole(ranks, "d_down", 1),
+        d_up_bias=whole(ranks, "d_up_bias", 0),
+        d_down_bias=ranks[0]["d_down_bias"])
+  first = results[degrees[0]]
+  for world in degrees[1:]:
+    for name, value in results[world].items():
+      assert_bitwise_equal(value.float().numpy(), first[name].float().numpy(),
+                           f"{name}: {world} ranks vs {degrees[0]}")
+  return first, seed
+
+
+def test_tp_degrees_1_2_4_give_one_process_bits_on_cpu(tmp_path, rng):
+  got, seed = check_degrees(tmp_path, rng, "cpu", "xla", [1, 2, 4])
+  # ... and the one-process chain of det_gemm in the mode with whole weights.
+  up, down, x, g = mlp_case(seed, "cpu", torch.float32, 24, 256, 128, 64)
+  x.requires_grad_(True)
+  mode = functools.partial(rlk_torch_bridge.det_gemm, transpose_b=True,
+                           reduction_chunks=8, implementation="xla")
+  y = mode(torch.relu(mode(x, up.weight) + up.bias), down.weight) + down.bias
+  y.backward(g)
+  for name, want in (("y", y), ("dx", x.grad), ("d_up", up.weight.grad),
+                     ("d_down", down.weight.grad)):
+    assert_bitwise_equal(got[name].numpy(), want.detach().numpy(), name)
+
+
+@pytest.mark.gpu
+def test_tp_degrees_give_the_same_bits_on_gpus(tmp_path, rng):
+  gpus = torch.cuda.device_count()
+  if gpus < 2:
+    pytest.skip(f"needs 2 or more GPUs; this machine has {gpus}")
+  degrees = [t for t in (1, 2, 4, 8) if t <= gpus]
+  check_degrees(tmp_path, rng, "cuda", "triton", degrees)
