@@ -36,14 +36,13 @@ from rlk_jax import _dispatch, _gemm_tuning, _sharding, _tree_reduction, referen
 GEMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-def _tiles(a, b, transpose_a, transpose_b, k_chunks=1):
+def _tiles(a, b, transpose_a, transpose_b):
   """(m, n, k) and the tile config of the K-ordered tiled kernels (Pallas
   and Triton share the vocabulary and the measured table)."""
   m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
                              a.dtype, a.dtype)[:3]
   return (m, n, k), _gemm_tuning.choose_pallas_config(
-      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype,
-      k_chunks=k_chunks)
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b, dtype=a.dtype)
 
 
 def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
@@ -54,16 +53,14 @@ def _pallas_matmul(a, b, transpose_a, transpose_b, out_dtype, *, interpret):
                            interpret=interpret, config=config)
 
 
-def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype, k_chunks=1):
-  # k_chunks: the kernel walks reduction_chunks' chunks and tree itself.
+def _triton_matmul(a, b, transpose_a, transpose_b, out_dtype):
   def product(a, b):
-    (m, n, k), config = _tiles(a, b, transpose_a, transpose_b, k_chunks)
+    (m, n, k), config = _tiles(a, b, transpose_a, transpose_b)
     if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
       return jnp.zeros((m, n), out_dtype)
     return triton_det_matmul.matmul(a, b, transpose_a=transpose_a,
                                     transpose_b=transpose_b,
-                                    out_dtype=out_dtype, config=config,
-                                    k_chunks=k_chunks)
+                                    out_dtype=out_dtype, config=config)
   return _one_product_per_batch_element(product)(a, b)
 
 
@@ -229,10 +226,6 @@ def _chunk(x, dim, index, size):
 def _subtree(impl, transpose_a, transpose_b, chunks, a, b):
   """The f32 root of the subtree of `chunks` chunks these operands hold (all
   of K, or one rank's neighbouring slice of it): each chunk one product."""
-  if impl == "triton" and chunks in triton_det_matmul.K_CHUNKS:
-    # One launch: the kernel walks the chunks and sums the tree in registers.
-    return _triton_matmul(a, b, transpose_a, transpose_b, jnp.float32,
-                          k_chunks=chunks)
   fn = TABLE.implementations[impl].fn
   k = a.shape[0] if transpose_a else a.shape[1]
   size = k // chunks

@@ -40,7 +40,6 @@ Ties go by a fixed order: the first candidate of :data:`CANDIDATES` within
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -469,8 +468,7 @@ def pallas_key(m, n, k, transpose_a, transpose_b) -> str:
 
 
 def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
-                         transpose_b: bool, dtype, device: str | None = None,
-                         k_chunks: int = 1):
+                         transpose_b: bool, dtype, device: str | None = None):
   """The Pallas det_matmul tile config (a ``MatmulConfig``) for this product
   on this GPU: the shipped table's measurement for this shape at this M
   bucket, else at the nearest M, else det_matmul's size rule. Every config
@@ -484,14 +482,7 @@ def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
     return det_matmul.choose_config(m, n, dtype)  # f32: one config
   config = _measured_tile(det_matmul.NAMED_CONFIGS, "det_gemm_pallas",
                           device, m, n, k, transpose_a, transpose_b)
-  config = config or det_matmul.choose_config(m, n, dtype)
-  if k_chunks > 1:
-    # The Triton kernel walking reduction_chunks' chunks holds up to
-    # log2(C) + 1 tile accumulators: tiles of at most 64x128 over 8 warps
-    # (32 f32 registers a thread each), not 128x256 (spilled).
-    config = dataclasses.replace(config, block_m=min(config.block_m, 64),
-                                 block_n=min(config.block_n, 128), num_warps=8)
-  return config
+  return config or det_matmul.choose_config(m, n, dtype)
 
 
 def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,

@@ -18,9 +18,8 @@ import jax
 import torch
 import torch.distributed as dist
 
-from rlk_jax import _det_gemm, _gemm_tuning, _tree_reduction
+from rlk_jax import _det_gemm, _tree_reduction
 from rlk_torch_bridge import _gemm_op, _library
-from triton_kernels import det_matmul as triton_det_matmul
 from rlk_torch_bridge._checks import jax_dtype, platform_of
 
 
@@ -50,19 +49,8 @@ def _rows(x, c, size):
 
 def _subtree(a, b, transpose_b, chunks, impl):
   """The f32 root of `chunks` neighbouring chunks of ``a [M, K] @ op(b)``:
-  K cut into equal chunks, each one det_mm (or, on the Triton route, one
-  kernel walking them all: the same bits)."""
-  m, k = a.shape
-  n = b.shape[0] if transpose_b else b.shape[1]
-  if (impl == "triton" and a.is_cuda and m and n
-      and chunks in triton_det_matmul.K_CHUNKS):
-    config = _gemm_tuning.choose_pallas_config(
-        m, n, k, transpose_a=False, transpose_b=transpose_b,
-        dtype=jax_dtype(a.dtype), k_chunks=chunks)
-    out = torch.empty((m, n), dtype=torch.float32, device=a.device)
-    return triton_det_matmul.matmul_torch(
-        a.contiguous(), b.contiguous(), out, transpose_a=False,
-        transpose_b=transpose_b, config=config, k_chunks=chunks)
+  K cut into equal chunks, each one det_mm."""
+  k = a.shape[1]
   size = k // chunks
   b_chunk = _columns if transpose_b else _rows
   return _tree_reduction.tree_sum(

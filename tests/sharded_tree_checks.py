@@ -17,7 +17,7 @@ import rlk_jax
 from conftest import assert_bitwise_equal, random_array
 from sharding_setup import DEVICES, IMPLEMENTATIONS, operand_dtype, single
 
-# On a GPU the Triton kernel that walks the chunks itself takes part too.
+# On a GPU the Triton route takes part too.
 IMPLS = list(IMPLEMENTATIONS) + (
     ["triton"] if jax.default_backend() == "gpu" else [])
 CHUNKS = 8

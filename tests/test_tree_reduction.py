@@ -132,9 +132,9 @@ def test_leading_dims_and_vmap(rng):
 
 @pytest.mark.gpu
 def test_every_gpu_route_and_torch_give_one_set_of_bits(rng):
-  # The Triton kernel walks the chunks itself; Pallas (and cuda_ffi where
-  # built) run a product per chunk; torch launches the Triton kernel on its
-  # stream. One set of bits, forward and gradients.
+  # Triton, Pallas (and cuda_ffi where built) each run a product per chunk;
+  # torch launches the Triton kernels on its stream. One set of bits,
+  # forward and gradients.
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   import torch

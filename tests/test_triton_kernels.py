@@ -247,29 +247,3 @@ def test_row_mean_rows_alone_equal_their_batch(k, dtype, rng):
   ref = x.double().mean(-1)
   tol = 1e-6 if dtype == "float32" else 8e-3
   assert float((batch.double() - ref).norm() / ref.norm()) < tol
-
-
-@pytest.mark.parametrize("transpose_a,transpose_b", [(False, True), (True, False)])
-@pytest.mark.parametrize("k_chunks", det_matmul.K_CHUNKS)
-def test_chunked_k_walk_is_the_tree_of_chunk_products(transpose_a, transpose_b,
-                                                      k_chunks, rng):
-  # det_gemm's reduction_chunks inside one kernel: each chunk from a fresh
-  # accumulator (K/C = 40 is not a multiple of BLOCK_K: a masked step per
-  # chunk), summed in rlk_jax's tree, bitwise.
-  from rlk_jax import _tree_reduction
-  m, n, k = 37, 40, 40 * k_chunks
-  _, _, sa, sb = operands(rng, m, n, k, transpose_a, transpose_b,
-                          torch.bfloat16)
-  got = torch.empty((m, n), dtype=torch.float32)
-  det_matmul.matmul_torch(sa, sb, got, transpose_a=transpose_a,
-                          transpose_b=transpose_b, config=SMALL,
-                          k_chunks=k_chunks)
-  size = k // k_chunks
-  cut = lambda x, dim, c: x.narrow(dim, c * size, size).contiguous()
-  parts = [run(cut(sa, 0 if transpose_a else 1, c),
-               cut(sb, 1 if transpose_b else 0, c), m, n, transpose_a,
-               transpose_b, SMALL) for c in range(k_chunks)]
-  assert torch.equal(got, _tree_reduction.tree_sum(parts))
-  if k_chunks > 1:  # another order: other bits somewhere
-    assert not torch.equal(got, run(sa, sb, m, n, transpose_a, transpose_b,
-                                    SMALL))

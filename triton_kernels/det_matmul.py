@@ -78,64 +78,13 @@ if triton is not None:
                   INTERPRETED)
     return acc
 
-  # det_gemm's tensor-parallel-invariant mode (rlk_jax._tree_reduction): K
-  # in K_CHUNKS equal chunks, each walked by tile_product from a fresh
-  # accumulator (a separate product's bits), summed neighbours first, the
-  # earlier chunk on the left. One function per tree level: Triton's JIT
-  # takes no recursion. A level holds its left subtree's root while the
-  # right one runs: log2(C) + 1 accumulators at most.
-  @triton.jit
-  def _chunk_tile(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-                  stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    start = tl.zeros((), dtype=tl.int64) + first * chunk
-    return tile_product(a_ptr + start * stride_ak, b_ptr + start * stride_bk,
-                        rm, rn, chunk, stride_am, stride_ak, stride_bk,
-                        stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
-
-  @triton.jit
-  def _tree2(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-             stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             INTERPRETED: tl.constexpr):
-    left = _chunk_tile(a_ptr, b_ptr, rm, rn, chunk, first, stride_am,
-                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
-                       BLOCK_K, INTERPRETED)
-    return left + _chunk_tile(a_ptr, b_ptr, rm, rn, chunk, first + 1,
-                              stride_am, stride_ak, stride_bk, stride_bn,
-                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
-
-  @triton.jit
-  def _tree4(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-             stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             INTERPRETED: tl.constexpr):
-    left = _tree2(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-                  stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
-    return left + _tree2(a_ptr, b_ptr, rm, rn, chunk, first + 2, stride_am,
-                         stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
-                         BLOCK_K, INTERPRETED)
-
-  @triton.jit
-  def _tree8(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-             stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             INTERPRETED: tl.constexpr):
-    left = _tree4(a_ptr, b_ptr, rm, rn, chunk, first, stride_am, stride_ak,
-                  stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
-    return left + _tree4(a_ptr, b_ptr, rm, rn, chunk, first + 4, stride_am,
-                         stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
-                         BLOCK_K, INTERPRETED)
-
   @triton.jit
   def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                          stride_am, stride_ak, stride_bk, stride_bn,
                          stride_cm, stride_cn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         INTERPRETED: tl.constexpr = False,
-                         K_CHUNKS: tl.constexpr = 1):
+                         INTERPRETED: tl.constexpr = False):
     # Grouped tile order: only L2 reuse depends on it, never a bit.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -153,25 +102,9 @@ if triton is not None:
     col_in = rn[None, :] < N
     # The tile's overhang past M or N loads wrapped, real rows and columns
     # (never stored): no row or column masks on the loads.
-    rm_in, rn_in = rm % M, rn % N
-    chunk = K // K_CHUNKS
-    if K_CHUNKS == 1:
-      acc = tile_product(a_ptr, b_ptr, rm_in, rn_in, K, stride_am, stride_ak,
-                         stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
-                         INTERPRETED)
-    elif K_CHUNKS == 2:
-      acc = _tree2(a_ptr, b_ptr, rm_in, rn_in, chunk, 0, stride_am, stride_ak,
-                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
-                   INTERPRETED)
-    elif K_CHUNKS == 4:
-      acc = _tree4(a_ptr, b_ptr, rm_in, rn_in, chunk, 0, stride_am, stride_ak,
-                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
-                   INTERPRETED)
-    else:
-      tl.static_assert(K_CHUNKS == 8, "K_CHUNKS: 1, 2, 4 or 8")
-      acc = _tree8(a_ptr, b_ptr, rm_in, rn_in, chunk, 0, stride_am, stride_ak,
-                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
-                   INTERPRETED)
+    acc = tile_product(a_ptr, b_ptr, rm % M, rn % N, K, stride_am,
+                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                       BLOCK_K, INTERPRETED)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c,
              mask=row_in & col_in)
@@ -192,17 +125,10 @@ def _dims(a_shape, b_shape, transpose_a, transpose_b):
   return m, n, k
 
 
-# The chunk counts the kernel walks itself (det_gemm's reduction_chunks).
-K_CHUNKS = (1, 2, 4, 8)
-
-
-def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config,
-           k_chunks: int = 1):
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config):
   """``op(a) @ op(b)`` for 2-D JAX arrays through jax-triton. `config`: an
   object with block_m/block_n/block_k/group_m/num_warps/num_stages (the
-  Pallas kernel's MatmulConfig); m, n, k > 0. `k_chunks` (one of
-  `K_CHUNKS`, dividing K): the reduction in that many chunks summed in the
-  fixed tree."""
+  Pallas kernel's MatmulConfig); m, n, k > 0."""
   import jax
   m, n, k = _dims(a.shape, b.shape, transpose_a, transpose_b)
   # jax-triton hands the kernel its output pointer after the positional
@@ -219,17 +145,15 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, config,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=_grid(m, n, config), num_warps=config.num_warps,
       num_stages=config.num_stages, name="rlk_det_matmul_triton",
-      M=m, N=n, K=k, K_CHUNKS=k_chunks, **sizes, **_meta(config))
+      M=m, N=n, K=k, **sizes, **_meta(config))
 
 
-def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config,
-                 k_chunks: int = 1):
+def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config):
   """Writes ``op(a) @ op(b)`` into `out` (torch tensors; a and b contiguous
-  in their stored layout, out ``[M, N]`` contiguous). m, n, k > 0;
-  `k_chunks` as in `matmul`."""
+  in their stored layout, out ``[M, N]`` contiguous). m, n, k > 0."""
   m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
   _det_matmul_kernel[_grid(m, n, config)](
       a, b, out, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
       num_warps=config.num_warps, num_stages=config.num_stages,
-      INTERPRETED=interpreted(), K_CHUNKS=k_chunks, **_meta(config))
+      INTERPRETED=interpreted(), **_meta(config))
   return out
