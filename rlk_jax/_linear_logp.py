@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import cuda_ffi
 from pallas_kernels import linear_logp as logp_kernel
-from rlk_jax import _det_gemm, _dispatch, _sharding, reference
+from rlk_jax import _det_gemm, _dispatch, _sharding, _tree_reduction, reference
 from triton_kernels import backend as triton_backend
 from triton_kernels import linear_logp as triton_logp
 
@@ -189,13 +189,18 @@ def _logp_bwd(impl, chunk_size, with_entropy, residuals, cotangents):
 
 def linear_logp_grads(impl, chunk_size, with_entropy, hidden, weight, targets,
                       temps, lse, entropy, g_logp, g_ent,
-                      dw_dtype=None):
+                      dw_dtype=None, dh_dtype=None, target_ok=None):
   """``(d hidden, d weight [H, V])`` of linear_logp's VJP; d weight in
   `dw_dtype` (default the weight's: f32 for a caller that accumulates
-  micro-batches in f32 without a rounding per micro-batch)."""
+  micro-batches in f32 without a rounding per micro-batch), d hidden in
+  `dh_dtype` (default hidden's; f32: the unrounded sum). `target_ok`: the
+  rows whose target is in the vocabulary (default: in this weight's
+  columns; a vocabulary chunk's caller passes the whole vocabulary's)."""
   v = weight.shape[1]
   dw_dtype = weight.dtype if dw_dtype is None else dw_dtype
-  g_picked = jnp.where((targets >= 0) & (targets < v), g_logp, 0.0)
+  if target_ok is None:
+    target_ok = (targets >= 0) & (targets < v)
+  g_picked = jnp.where(target_ok, g_logp, 0.0)
   dlogits_of = _dlogits_sm90 if impl == "cuda_ffi" else _dlogits
 
   def chunk_grads(c0, w_c):
@@ -234,7 +239,7 @@ def linear_logp_grads(impl, chunk_size, with_entropy, hidden, weight, targets,
     c0 = full * chunk_size
     dh_c, dw_c = chunk_grads(c0, weight[:, c0:])
     dh, dw = dh + dh_c, dw.at[:, c0:].set(dw_c)
-  return dh.astype(hidden.dtype), dw
+  return dh.astype(dh_dtype or hidden.dtype), dw
 
 
 def _dlogits(logits, targets, temps, lse, entropy, g_picked, g_ent,
@@ -274,10 +279,138 @@ def _partitioned_dlogits(with_entropy):
 _logp.defvjp(_logp_fwd, _logp_bwd)
 
 
+# The vocabulary-parallel mode (``vocab_chunks``): V in C chunks, each
+# chunk's row statistics from the implementation's own kernels on its
+# weight slice, combined in the fixed tree of _tree_reduction (so the bits
+# do not depend on how many devices split V); the backward is linear_logp's
+# own per chunk with the combined lse and entropy, d hidden the tree of the
+# chunks' f32 products.
+
+def _chunk_offset(first, c, width):
+  return first * width + c * width
+
+
+def _vocab_stats(impl, chunk_size, with_entropy, chunks, hidden, weight,
+                 targets, temps, v_axis=None, ranks=1):
+  """(lse, mean, target's chunk log-prob, its chunk's lse), f32 [N], of
+  this device's `chunks // ranks` vocabulary chunks, combined across
+  `v_axis` in the fixed tree."""
+  fn = TABLE.implementations[impl].fn
+  local = chunks // ranks
+  width = weight.shape[1] // local
+  first = 0 if ranks == 1 else jax.lax.axis_index(v_axis) * local
+  parts = []
+  for c in range(local):
+    t_c = targets - _chunk_offset(first, c, width)
+    # Each chunk's statistics are computed apart (barriers on what goes in
+    # and comes out): the same computation in a sharded and an unsharded
+    # program, never fused with its neighbours differently (the XLA
+    # reference's elementwise code rounded otherwise).
+    w_c, t_c, h_c, temps_c = jax.lax.optimization_barrier(
+        (weight[:, c * width:(c + 1) * width], t_c, hidden, temps))
+    logp, lse, entropy = jax.lax.optimization_barrier(fn(
+        h_c, w_c, t_c, temps_c, min(chunk_size, width), with_entropy))
+    mean = lse - entropy if with_entropy else jnp.zeros_like(lse)
+    owner = (t_c >= 0) & (t_c < width)
+    parts.append((lse, mean, jnp.where(owner, logp, 0.0),
+                  jnp.where(owner, lse, 0.0)))
+  stats = _tree_reduction.tree_reduce(parts, _tree_reduction.combine_row_stats)
+  return _tree_reduction.finish_stats_across(stats, v_axis, ranks)
+
+
+def _vocab_grads(impl, chunk_size, with_entropy, chunks, dw_dtype, hidden,
+                 weight, targets, temps, lse, entropy, g_logp, g_ent,
+                 v_axis=None, ranks=1):
+  local = chunks // ranks
+  width = weight.shape[1] // local
+  first = 0 if ranks == 1 else jax.lax.axis_index(v_axis) * local
+  # Every chunk carries -g p of a row with a target anywhere in V.
+  target_ok = (targets >= 0) & (targets < width * chunks)
+  dh_parts, dw_parts = [], []
+  for c in range(local):
+    dh_c, dw_c = linear_logp_grads(
+        impl, min(chunk_size, width), with_entropy, hidden,
+        weight[:, c * width:(c + 1) * width],
+        targets - _chunk_offset(first, c, width), temps, lse, entropy, g_logp,
+        g_ent, dw_dtype=dw_dtype, dh_dtype=jnp.float32, target_ok=target_ok)
+    dh_parts.append(dh_c)
+    dw_parts.append(dw_c)
+  dh = _tree_reduction.finish_across(_tree_reduction.tree_sum(dh_parts),
+                                     v_axis, ranks)
+  return dh.astype(hidden.dtype), jnp.concatenate(dw_parts, axis=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned_vocab(kind, *static):
+  if kind == "stats":
+    local = functools.partial(_vocab_stats, *static)
+    return _sharding.partitioned_vocab_tree(local, 4, 2, static[3])
+  local = functools.partial(_vocab_grads, *static)
+  return _sharding.partitioned_vocab_tree(local, 2, 6, static[3],
+                                          weight_output=True, rows_local=False)
+
+
+def _stats_of(impl, chunk_size, with_entropy, chunks, hidden, weight, targets,
+              temps):
+  args = (hidden, weight, targets, temps)
+  if _sharding.multi_device():
+    return _partitioned_vocab("stats", impl, chunk_size, with_entropy,
+                              chunks)(*args)
+  return _vocab_stats(impl, chunk_size, with_entropy, chunks, *args)
+
+
+def _vocab_outputs(stats, with_entropy, targets, v):
+  # A target no chunk holds (ignored: -1) gets log-prob 0, as in the
+  # default mode; the public function marks ids outside [0, V) NaN.
+  # log p = (x_t - lse_c) + (lse_c - lse): the target's chunk log-prob as
+  # its kernel gave it, moved to the whole vocabulary's normaliser.
+  lse, mean, target_logp, target_lse = stats
+  entropy = lse - mean if with_entropy else jnp.full_like(lse, jnp.nan)
+  held = (targets >= 0) & (targets < v)
+  return jnp.where(held, target_logp + (target_lse - lse), 0.0), lse, entropy
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _vocab_logp(impl, chunk_size, with_entropy, chunks, hidden, weight,
+                targets, temps):
+  logp, _, entropy = _vocab_outputs(_stats_of(
+      impl, chunk_size, with_entropy, chunks, hidden,
+      weight.astype(hidden.dtype), targets, temps), with_entropy, targets,
+      weight.shape[1])
+  return logp, entropy
+
+
+def _vocab_logp_fwd(impl, chunk_size, with_entropy, chunks, hidden, weight,
+                    targets, temps):
+  logp, lse, entropy = _vocab_outputs(_stats_of(
+      impl, chunk_size, with_entropy, chunks, hidden,
+      weight.astype(hidden.dtype), targets, temps), with_entropy, targets,
+      weight.shape[1])
+  return (logp, entropy), (hidden, weight, targets, temps, lse, entropy)
+
+
+def _vocab_logp_bwd(impl, chunk_size, with_entropy, chunks, residuals,
+                    cotangents):
+  hidden, weight, targets, temps, lse, entropy = residuals
+  g_logp, g_ent = cotangents
+  static = (impl, chunk_size, with_entropy, chunks, weight.dtype)
+  args = (hidden, weight.astype(hidden.dtype), targets, temps, lse, entropy,
+          g_logp, g_ent)
+  if _sharding.multi_device():
+    dh, dw = _partitioned_vocab("grads", *static)(*args)
+  else:
+    dh, dw = _vocab_grads(*static, *args)
+  return dh, dw, None, None
+
+
+_vocab_logp.defvjp(_vocab_logp_fwd, _vocab_logp_bwd)
+
+
 def linear_logp(hidden, weight, targets, *, temperature=1.0,
                 chunk_size: int = 8192, return_entropy: bool = False,
                 ignore_index: int = IGNORE_INDEX,
-                implementation: str | None = None):
+                implementation: str | None = None,
+                vocab_chunks: int | None = None):
   """Log-probs (f32) of `targets` under ``softmax(hidden @ weight / T)``.
 
   Args:
@@ -306,6 +439,13 @@ def linear_logp(hidden, weight, targets, *, temperature=1.0,
     implementation: None (the first of ``cuda_ffi``, ``pallas``, ``xla``
       available here that takes these operands; ``cuda_ffi`` needs an SM90
       GPU, bf16, H, V and chunk_size multiples of 8) or one of those names.
+    vocab_chunks: None, or C (a power of two dividing V): the
+      vocabulary-parallel mode. V is cut into C chunks whose row statistics
+      (logsumexp, mean logit, the target's logit) combine in one fixed
+      binary tree, and d hidden sums the chunks' products in the same tree,
+      so a weight whose V is sharded over a mesh axis of t devices (t
+      dividing C) stays sharded (each device runs its own chunks) and the
+      bits are the same at every t. Other bits than the default mode's.
 
   Each row's result is bitwise the same whatever other rows are in the batch
   (per implementation and device).
@@ -321,14 +461,27 @@ def linear_logp(hidden, weight, targets, *, temperature=1.0,
                      "rlk_jax.linear_logp")
   lead = hidden.shape[:-1]
   n = math.prod(lead)
+  v = weight.shape[1]
+  if vocab_chunks is not None:
+    _tree_reduction.check_power_of_two(vocab_chunks, "rlk_jax.linear_logp",
+                                       "vocab_chunks")
+    if v % vocab_chunks:
+      raise ValueError(f"rlk_jax.linear_logp: vocab_chunks={vocab_chunks} "
+                       f"must divide V={v} (weight {weight.shape}).")
+  width = v if vocab_chunks is None else v // vocab_chunks
+  chunk_size = int(chunk_size) if vocab_chunks is None else min(
+      int(chunk_size), width)
   impl = TABLE.select(implementation, operands=(
-      n, weight.shape[0], weight.shape[1], hidden.dtype, int(chunk_size))).name
+      n, weight.shape[0], width, hidden.dtype, chunk_size)).name
   t = jnp.where(targets == ignore_index, -1, targets).astype(jnp.int32)
   temps = jax.lax.stop_gradient(jnp.broadcast_to(
       jnp.asarray(temperature, jnp.float32), lead)).reshape(n)
-  logp, entropy = _logp(impl, int(chunk_size), bool(return_entropy),
-                        hidden.reshape(n, hidden.shape[-1]), weight,
-                        t.reshape(n), temps)
+  args = (hidden.reshape(n, hidden.shape[-1]), weight, t.reshape(n), temps)
+  if vocab_chunks is None:
+    logp, entropy = _logp(impl, chunk_size, bool(return_entropy), *args)
+  else:
+    logp, entropy = _vocab_logp(impl, chunk_size, bool(return_entropy),
+                                int(vocab_chunks), *args)
   logp, entropy = logp.reshape(lead), entropy.reshape(lead)
   logp = jnp.where(out_of_range(targets, weight.shape[1], ignore_index),
                    jnp.nan, logp)

@@ -14,15 +14,43 @@ its row of A and column of B, whichever device computes it.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 
+_LOCAL = threading.local()
+
+
 def multi_device() -> bool:
   """Whether the rules apply: with one device nothing is partitioned, and
-  the plain call keeps single-device programs exactly as they were."""
-  return jax.device_count() > 1
+  the plain call keeps single-device programs exactly as they were; inside
+  a rule's own per-device body (`per_device`) the operands are one
+  device's, and the ops it calls run plainly."""
+  return jax.device_count() > 1 and not getattr(_LOCAL, "depth", 0)
+
+
+def per_device(fn):
+  """`fn` as a partition rule's per-device body: rlk ops it calls run on
+  the device's own blocks, not through their own rules."""
+  def body(*args):
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+      return fn(*args)
+    finally:
+      _LOCAL.depth -= 1
+  return body
+
+
+def axis_size(mesh, axis) -> int:
+  """Devices along a mesh axis (or a tuple of axes); 1 for None."""
+  size = 1
+  for name in (() if axis is None else axis if isinstance(axis, tuple)
+               else (axis,)):
+    size *= mesh.shape[name]
+  return size
 
 
 def _dims(transpose_a: bool, transpose_b: bool):
@@ -155,22 +183,66 @@ def partitioned_tree_product(local, transpose_a: bool, transpose_b: bool,
     k_axis = axis(a_spec, a_dims.index("k"))
     if k_axis != axis(b_spec, b_dims.index("k")) or k_axis in (m_axis, n_axis):
       k_axis = None
-    ranks = 1
-    if k_axis is not None:
-      names = k_axis if isinstance(k_axis, tuple) else (k_axis,)
-      ranks = 1
-      for name in names:
-        ranks *= mesh.shape[name]
-      if chunks % ranks:
-        k_axis, ranks = None, 1  # not a whole subtree per device: gathered
+    ranks = axis_size(mesh, k_axis)
+    if chunks % ranks:
+      k_axis, ranks = None, 1  # not a whole subtree per device: gathered
     names = {"m": m_axis, "n": n_axis, "k": k_axis}
     a_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in a_dims)))
     b_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in b_dims)))
     out = NamedSharding(mesh, PartitionSpec(m_axis, n_axis))
-    lower = lambda a, b: local(a, b, k_axis, ranks)
+    lower = per_device(lambda a, b: local(a, b, k_axis, ranks))
     return mesh, lower, out, (a_sharding, b_sharding)
 
   product.def_partition(
       partition,
       sharding_rule=f"{' '.join(a_dims)}, {' '.join(b_dims)} -> m n")
   return product
+
+
+def partitioned_vocab_tree(local, n_outputs: int, n_row_inputs: int,
+                           chunks: int, weight_output: bool = False,
+                           rows_local: bool = True):
+  """`local(hidden [N, H], weight [H, V], *row_inputs, v_axis=, ranks=)`
+  (linear_logp's vocabulary-chunked mode: V in `chunks` chunks whose row
+  statistics or gradients combine in a fixed tree) as a partitioned op: a V
+  sharded over a mesh axis of t devices, t dividing `chunks`, stays sharded,
+  each device runs its own chunks on its own weight slice and `local`
+  finishes the tree across the axis in rank order; another V sharding is
+  gathered. Returns `n_outputs` row arrays ``[N]`` (or ``[N, H]``: the
+  input gradient, when `weight_output`, followed by the weight gradient
+  ``[H, V]`` sharded like the weight). Rows stay sharded when `rows_local`
+  (the forward: a row's statistics need only that row); the backward's
+  weight gradient sums over rows, so it gathers them (the unsharded order)."""
+
+  @custom_partitioning
+  def op(hidden, weight, *row_inputs):
+    return local(hidden, weight, *row_inputs)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    h_spec = arg_shapes[0].sharding.spec
+    w_spec = arg_shapes[1].sharding.spec
+    n_axis = (h_spec[0] if len(h_spec) else None) if rows_local else None
+    v_axis = w_spec[1] if len(w_spec) > 1 else None
+    if v_axis is not None and v_axis == n_axis:
+      v_axis = None
+    ranks = axis_size(mesh, v_axis)
+    if chunks % ranks:
+      v_axis, ranks = None, 1
+    row = NamedSharding(mesh, PartitionSpec(n_axis))
+    hidden = NamedSharding(mesh, PartitionSpec(n_axis, None))
+    weight = NamedSharding(mesh, PartitionSpec(None, v_axis))
+    outs = ((hidden, weight) if weight_output
+            else (row,) * n_outputs)
+    lower = per_device(
+        lambda h, w, *rows: local(h, w, *rows, v_axis=v_axis, ranks=ranks))
+    return mesh, lower, outs, (hidden, weight, *(row,) * n_row_inputs)
+
+  rows = ", n" * n_row_inputs
+  results = "n h, h v" if weight_output else ", ".join(["n"] * n_outputs)
+  op.def_partition(partition,
+                   sharding_rule=f"n h, h v{rows} -> {results}",
+                   need_replication_factors=("h",) if rows_local
+                   else ("n", "h"))
+  return op
+

@@ -24,18 +24,42 @@ torch bridge sums its partials with it) and its checks; det_gemm's
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
-def tree_sum(parts):
+def tree_reduce(parts, combine):
   """The fixed binary tree over `parts` (a power-of-two count): neighbours
-  first, the earlier chunk always the left operand. Anything with ``+``."""
+  first, the earlier chunk always the left operand of `combine`."""
   parts = list(parts)
   if not parts or len(parts) & (len(parts) - 1):
     raise ValueError(f"rlk: a reduction tree needs a power-of-two number of "
                      f"partials, got {len(parts)}.")
   while len(parts) > 1:
-    parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    parts = [combine(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
   return parts[0]
+
+
+def tree_sum(parts):
+  """`tree_reduce` with ``+``: anything that adds (JAX or torch arrays)."""
+  return tree_reduce(parts, lambda a, b: a + b)
+
+
+def combine_row_stats(a, b):
+  """Two vocabulary chunks' row statistics as one: each ``(lse, mean,
+  target_logp, target_lse)`` f32 ``[N]``: the chunk's logsumexp of the
+  scaled logits, their mean under the chunk's softmax, and the target's
+  log-prob within its chunk and that chunk's logsumexp (both exactly 0 in
+  chunks not holding the target, so the sums pick them exactly)."""
+  (la, ma, pa_, qa), (lb, mb, pb_, qb) = a, b
+  top = jnp.maximum(la, lb)
+  lse = top + jnp.log1p(jnp.exp(-jnp.abs(la - lb)))
+  # The products are materialised before the add: a compiler may otherwise
+  # contract one of them into a fused multiply-add in one program and not
+  # in another (a sharded and an unsharded one), and the bits would follow
+  # the partitioning.
+  pa, pb = jax.lax.optimization_barrier((jnp.exp(la - lse) * ma,
+                                         jnp.exp(lb - lse) * mb))
+  return lse, pa + pb, pa_ + pb_, qa + qb
 
 
 def check_power_of_two(chunks, what: str, name: str = "reduction_chunks"):
@@ -75,3 +99,12 @@ def finish_across(partial, axis_name, ranks: int):
     return partial
   roots = jax.lax.all_gather(partial, axis_name)
   return tree_sum(roots[r] for r in range(ranks))
+
+
+def finish_stats_across(stats, axis_name, ranks: int):
+  """`finish_across` for `combine_row_stats`' triples."""
+  if ranks == 1:
+    return stats
+  gathered = [jax.lax.all_gather(x, axis_name) for x in stats]
+  return tree_reduce([tuple(g[r] for g in gathered) for r in range(ranks)],
+                     combine_row_stats)

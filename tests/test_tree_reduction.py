@@ -167,3 +167,57 @@ def test_every_gpu_route_and_torch_give_one_set_of_bits(rng):
     assert_bitwise_equal(a.detach().float().cpu().numpy(),
                          np.asarray(b.astype(jnp.float32)), f"torch: {name}")
   assert relative_error(runs["triton"][0], f64(x) @ f64(w).T) < 1e-2
+
+
+# linear_logp's vocabulary-parallel mode (vocab_chunks) on one device.
+
+def dense_logp(hidden, weight, targets, temps):
+  x = f64(hidden) @ f64(weight) / np.asarray(temps, np.float64)[:, None]
+  lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+  p = np.exp(x - lse[:, None])
+  picked = x[np.arange(len(x)), np.clip(targets, 0, x.shape[1] - 1)]
+  return picked - lse, lse - (p * x).sum(1), x, p
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_vocab_mode_accurate_against_float64(impl, rng):
+  n, h, v = 13, 64, 128
+  hidden = random_array(rng, (n, h), jnp.float32)
+  weight = random_array(rng, (h, v), jnp.float32) / 8
+  targets = np.asarray(rng.integers(0, v, n))
+  temps = rng.uniform(0.5, 1.5, n).astype(np.float32)
+  g = random_array(rng, (n,), jnp.float32)
+  fn = lambda h_, w_: rlk_jax.linear_logp(
+      h_, w_, jnp.asarray(targets), temperature=jnp.asarray(temps),
+      return_entropy=True, implementation=impl, vocab_chunks=4)
+  (logp, entropy), vjp = jax.vjp(fn, hidden, weight)
+  dh, dw = vjp((g, jnp.zeros_like(g)))
+  want_logp, want_entropy, _, p = dense_logp(hidden, weight, targets, temps)
+  assert relative_error(logp, want_logp) < 1e-5
+  # lse - E[x] cancels where the entropy is small: an f32 ulp of lse.
+  assert relative_error(entropy, want_entropy) < 1e-4
+  onehot = np.eye(v)[targets]
+  dlogits = f64(g)[:, None] * (onehot - p) / temps[:, None]
+  assert relative_error(dh, dlogits @ f64(weight).T) < 1e-5
+  assert relative_error(dw, f64(hidden).T @ dlogits) < 1e-5
+
+
+def test_vocab_mode_rows_invariant_ignored_and_bad_targets(rng):
+  n, h, v = 20, 32, 64
+  hidden = random_array(rng, (n, h), jnp.float32)
+  weight = random_array(rng, (h, v), jnp.float32) / 8
+  targets = jnp.asarray(rng.integers(0, v, n)).at[2].set(-100)
+  mode = jax.jit(functools.partial(rlk_jax.linear_logp, implementation="xla",
+                                   vocab_chunks=8))
+  full = mode(hidden, weight, targets)
+  assert float(full[2]) == 0.0  # ignore_index: log-prob 0
+  for start, m in ((0, 1), (5, 7), (3, 17)):
+    assert_bitwise_equal(mode(hidden[start:start + m], weight,
+                              targets[start:start + m]),
+                         full[start:start + m], f"rows {start}:{start + m}")
+  bad = mode(hidden, weight, targets.at[4].set(v))
+  assert np.isnan(float(bad[4])) and not np.isnan(np.asarray(bad)[5:]).any()
+  with pytest.raises(ValueError, match="vocab_chunks must be a power of two"):
+    rlk_jax.linear_logp(hidden, weight, targets, vocab_chunks=3)
+  with pytest.raises(ValueError, match="must divide V=64"):
+    rlk_jax.linear_logp(hidden, weight, targets, vocab_chunks=128)
