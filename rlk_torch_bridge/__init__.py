@@ -31,10 +31,10 @@ from rlk_torch_bridge.functions import PackInfo, det_gemm, pack, unpack  # noqa:
 from rlk_torch_bridge.logp import linear_logp  # noqa: E402
 from rlk_torch_bridge.nn import DetLinear, replace_linear  # noqa: E402
 from rlk_torch_bridge.tensor_parallel import (  # noqa: E402
-    ColumnParallelDetLinear, RowParallelDetLinear)
+    ColumnParallelDetLinear, RowParallelDetLinear, parallelize)
 
 __all__ = ["BatchInvariantFallthrough", "ColumnParallelDetLinear", "DetLinear",
            "PackInfo", "RowParallelDetLinear",
            "batch_invariant_mode", "det_attention", "det_gemm", "disable", "enable",
-           "fallthroughs", "is_enabled", "linear_logp", "pack",
+           "fallthroughs", "is_enabled", "linear_logp", "pack", "parallelize",
            "replace_linear", "unpack"]

@@ -7,6 +7,8 @@ tensor-parallel-invariant mode (``reduction_chunks``).
     down = RowParallelDetLinear.from_linear(mlp.down_proj, group)
     y = down(act(up(x)))      # the bits of one GPU's DetLinear chain in the mode
 
+    parallelize(model, group, LLAMA_PLAN)         # a whole transformers decoder
+
 A row-parallel layer holds K/t of the input features: its forward sums the
 reduction in C fixed chunks, each rank the subtree of its own, and the ranks'
 roots finish the tree in rank order (an all-gather of f32 partials, not
@@ -26,7 +28,7 @@ from torch import nn
 
 from rlk_torch_bridge import _tree_gemm
 
-__all__ = ["ColumnParallelDetLinear", "RowParallelDetLinear"]
+__all__ = ["ColumnParallelDetLinear", "RowParallelDetLinear", "parallelize"]
 
 
 def _rank_and_size(group):
@@ -151,3 +153,45 @@ class _GatherLastDim(torch.autograd.Function):
 
 def _gather_last_dim(y, group):
   return _GatherLastDim.apply(y, group)
+
+
+# Megatron's split of a Llama-style decoder (transformers' module names):
+# attention heads and the MLP's hidden units are split over the ranks.
+# Attention then runs on each rank's own heads (transformers reshapes q, k,
+# v with -1 heads), whose outputs the row-parallel o_proj sums in the tree.
+LLAMA_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column",
+              "o_proj": "row", "gate_proj": "column", "up_proj": "column",
+              "down_proj": "row"}
+_STYLES = {"column": ColumnParallelDetLinear, "row": RowParallelDetLinear}
+
+
+def parallelize(module: nn.Module, group, plan: dict, *,
+                reduction_chunks: int = 8,
+                implementation: str | None = None) -> nn.Module:
+  """Replaces, in place, each ``nn.Linear`` of `module` whose name ends in
+  a key of `plan` with this rank's shard of it: ``"column"``
+  (`ColumnParallelDetLinear`) or ``"row"`` (`RowParallelDetLinear`). Every
+  rank must hold the same whole module (one seed, or one checkpoint). A plan
+  entry that matches no ``nn.Linear`` raises: nothing is left unsplit
+  silently. Returns `module`."""
+  bad = {k: v for k, v in plan.items() if v not in _STYLES}
+  if bad:
+    raise ValueError(f"rlk_torch_bridge.parallelize: unknown styles {bad}; "
+                     f"use 'column' or 'row'.")
+  matched = dict.fromkeys(plan, 0)
+  for name, child in list(module.named_modules()):
+    suffix = name.rsplit(".", 1)[-1]
+    if suffix not in plan or not isinstance(child, nn.Linear):
+      continue
+    shard = _STYLES[plan[suffix]].from_linear(
+        child, group, reduction_chunks=reduction_chunks,
+        implementation=implementation)
+    parent = module.get_submodule(name.rpartition(".")[0])
+    setattr(parent, suffix, shard)
+    matched[suffix] += 1
+  missing = [k for k, n in matched.items() if not n]
+  if missing:
+    raise ValueError(f"rlk_torch_bridge.parallelize: no nn.Linear named "
+                     f"{missing} in {type(module).__name__}.")
+  return module
+

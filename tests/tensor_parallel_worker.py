@@ -26,8 +26,34 @@ def mlp_case(seed, device, dtype, m, k, hidden, n):
   return up.to(device, dtype), down.to(device, dtype), draw(m, k), draw(m, n)
 
 
+def llama(seed, device, dtype):
+  """A 2-layer transformers Llama (8 query heads over 4 KV heads), built
+  from a config with one seed's random weights."""
+  from transformers import LlamaConfig, LlamaForCausalLM
+  config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, max_position_embeddings=64,
+                       attn_implementation="sdpa")
+  torch.manual_seed(seed)
+  return LlamaForCausalLM(config).to(device, dtype).eval()
+
+
+def llama_logits(seed, device, dtype, impl, group):
+  """The model's logits with its projections split over `group` (None: not
+  split), under batch_invariant_mode (attention, norms, lm_head)."""
+  model = llama(seed, device, dtype)
+  rlk_torch_bridge.parallelize(model, group, rlk_torch_bridge.tensor_parallel
+                               .LLAMA_PLAN, implementation=impl)
+  ids = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(
+      seed)).to(device)
+  with torch.no_grad(), rlk_torch_bridge.batch_invariant_mode():
+    return model(ids).logits.float().cpu()
+
+
 def main():
   out, seed, device, impl = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+  if len(sys.argv) > 5 and sys.argv[5] == "llama":
+    return main_llama(out, seed, device, impl)
   backend = "nccl" if device == "cuda" else "gloo"
   device_id = None
   if device == "cuda":
@@ -50,6 +76,20 @@ def main():
               "d_up_bias": col.bias.grad.cpu(),
               "d_down_bias": row.bias.grad.cpu()},
              os.path.join(out, f"rank{rank}.pt"))
+  dist.destroy_process_group()
+
+
+def main_llama(out, seed, device, impl):
+  device_id = None
+  if device == "cuda":
+    device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device_id)
+  dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                          device_id=device_id)
+  dtype = torch.bfloat16 if device == "cuda" else torch.float32
+  logits = llama_logits(seed, device, dtype, impl, dist.group.WORLD)
+  torch.save({"logits": logits},
+             os.path.join(out, f"rank{dist.get_rank()}.pt"))
   dist.destroy_process_group()
 
 

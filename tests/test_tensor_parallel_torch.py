@@ -62,7 +62,7 @@ def free_port():
     return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, world, seed, device, impl):
+def run_ranks(tmp_path, world, seed, device, impl, case=None):
   port = free_port()
   procs = []
   for rank in range(world):
@@ -72,7 +72,8 @@ def run_ranks(tmp_path, world, seed, device, impl):
                                            os.environ.get("PYTHONPATH", "")]))
     procs.append(subprocess.Popen(
         [sys.executable, os.path.join(HERE, "tensor_parallel_worker.py"),
-         str(tmp_path), str(seed), device, impl], env=env,
+         str(tmp_path), str(seed), device, impl, *([case] if case else [])],
+        env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   logs = [p.communicate(timeout=600)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
@@ -127,3 +128,47 @@ def test_tp_degrees_give_the_same_bits_on_gpus(tmp_path, rng):
     pytest.skip(f"needs 2 or more GPUs; this machine has {gpus}")
   degrees = [t for t in (1, 2, 4, 8) if t <= gpus]
   check_degrees(tmp_path, rng, "cuda", "triton", degrees)
+
+
+def test_llama_logits_same_at_tp_1_2_4(tmp_path, rng):
+  # A real transformers model, its projections split by `parallelize`
+  # (heads and MLP units over the ranks), the rest under the batch-invariant
+  # mode: the logits have the same bits at 1, 2 and 4 ranks (gloo, CPU).
+  seed = int(rng.integers(2**31))
+  logits = {}
+  for world in (1, 2, 4):
+    out = tmp_path / f"llama{world}"
+    out.mkdir()
+    ranks = run_ranks(out, world, seed, "cpu", "xla", case="llama")
+    for r in ranks[1:]:
+      assert torch.equal(r["logits"], ranks[0]["logits"])
+    logits[world] = ranks[0]["logits"]
+  assert logits[1].abs().sum() > 0
+  for world in (2, 4):
+    assert_bitwise_equal(logits[world].numpy(), logits[1].numpy(),
+                         f"{world} ranks vs 1")
+
+
+def test_parallelize_refuses_a_plan_it_cannot_apply():
+  model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+  with pytest.raises(ValueError, match="no nn.Linear named"):
+    rlk_torch_bridge.parallelize(model, None, {"q_proj": "column"})
+  with pytest.raises(ValueError, match="unknown styles"):
+    rlk_torch_bridge.parallelize(model, None, {"0": "diagonal"})
+
+
+
+@pytest.mark.gpu
+def test_llama_logits_same_at_every_tp_degree_on_gpus(tmp_path, rng):
+  gpus = torch.cuda.device_count()
+  if gpus < 2:
+    pytest.skip(f"needs 2 or more GPUs; this machine has {gpus}")
+  seed = int(rng.integers(2**31))
+  logits = {}
+  for world in [t for t in (1, 2, 4, 8) if t <= gpus]:
+    out = tmp_path / f"llama{world}"
+    out.mkdir()
+    logits[world] = run_ranks(out, world, seed, "cuda", "triton",
+                              case="llama")[0]["logits"]
+    assert_bitwise_equal(logits[world].numpy(), logits[1].numpy(),
+                         f"{world} ranks vs 1")
