@@ -370,16 +370,6 @@ def _vocab_outputs(stats, with_entropy, targets, v):
   return jnp.where(held, target_logp + (target_lse - lse), 0.0), lse, entropy
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _vocab_logp(impl, chunk_size, with_entropy, chunks, hidden, weight,
-                targets, temps):
-  logp, _, entropy = _vocab_outputs(_stats_of(
-      impl, chunk_size, with_entropy, chunks, hidden,
-      weight.astype(hidden.dtype), targets, temps), with_entropy, targets,
-      weight.shape[1])
-  return logp, entropy
-
-
 def _vocab_logp_fwd(impl, chunk_size, with_entropy, chunks, hidden, weight,
                     targets, temps):
   logp, lse, entropy = _vocab_outputs(_stats_of(
@@ -387,6 +377,13 @@ def _vocab_logp_fwd(impl, chunk_size, with_entropy, chunks, hidden, weight,
       weight.astype(hidden.dtype), targets, temps), with_entropy, targets,
       weight.shape[1])
   return (logp, entropy), (hidden, weight, targets, temps, lse, entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _vocab_logp(impl, chunk_size, with_entropy, chunks, hidden, weight,
+                targets, temps):
+  return _vocab_logp_fwd(impl, chunk_size, with_entropy, chunks, hidden,
+                         weight, targets, temps)[0]
 
 
 def _vocab_logp_bwd(impl, chunk_size, with_entropy, chunks, residuals,

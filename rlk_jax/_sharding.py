@@ -10,6 +10,13 @@ added in a different order: other bits. A K that arrives sharded is gathered
 first (the partitioner does that from ``need_replication_factors``), so the
 result is bitwise the unsharded one: every output element depends only on
 its row of A and column of B, whichever device computes it.
+
+The tensor-parallel modes (det_gemm's ``reduction_chunks``, linear_logp's
+``vocab_chunks``) are the exception: their reduction is a fixed tree of
+chunks, so a reduction dimension (K, or V) sharded over a number of devices
+dividing the chunk count stays sharded, each device sums its own subtree and
+the roots finish the tree in rank order (`partitioned_tree_product`,
+`partitioned_vocab_tree`).
 """
 
 from __future__ import annotations
