@@ -442,7 +442,9 @@ def linear_logp(hidden, weight, targets, *, temperature=1.0,
       binary tree, and d hidden sums the chunks' products in the same tree,
       so a weight whose V is sharded over a mesh axis of t devices (t
       dividing C) stays sharded (each device runs its own chunks) and the
-      bits are the same at every t. Other bits than the default mode's.
+      kernels' bits (pallas, triton; not the CPU ``xla`` reference's, which
+      an ulp moves in some programs) are the same at every t. Other bits
+      than the default mode's.
 
   Each row's result is bitwise the same whatever other rows are in the batch
   (per implementation and device).

@@ -187,8 +187,12 @@ def partitioned_tree_product(local, transpose_a: bool, transpose_b: bool,
     n_axis = axis(b_spec, b_dims.index("n"))
     if n_axis is not None and n_axis == m_axis:
       n_axis = None
-    k_axis = axis(a_spec, a_dims.index("k"))
-    if k_axis != axis(b_spec, b_dims.index("k")) or k_axis in (m_axis, n_axis):
+    # The weight's (B's) K split decides: A's K is resharded to it (a
+    # replicated activation is sliced locally, no communication); only
+    # where B's K is whole does A's split stand (B is sliced locally).
+    k_axis = (axis(b_spec, b_dims.index("k"))
+              or axis(a_spec, a_dims.index("k")))
+    if k_axis in (m_axis, n_axis):
       k_axis = None
     ranks = axis_size(mesh, k_axis)
     if chunks % ranks:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from rlk_jax import _det_gemm, _tree_reduction
 from rlk_torch_bridge import _gemm_op, _library
-from rlk_torch_bridge._checks import jax_dtype, platform_of
+from rlk_torch_bridge._checks import (check_same_device, check_tensor,
+                                     jax_dtype, platform_of)
 
 
 def ranks(group) -> int:
@@ -107,6 +108,10 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
               k_group=None, n_group=None, whole_k=None, whole_n=None):
   """`a [..., K_local]` through `TreeMm`; `whole_k`/`whole_n`: the unsplit
   sizes, for the checks and the implementation choice."""
+  check_tensor("det_gemm", "a", a)
+  check_tensor("det_gemm", "b", b)
+  check_same_device("det_gemm", a=a, b=b)
+  _tree_reduction.check_power_of_two(chunks, "rlk_torch_bridge.det_gemm")
   n_local, k_b = (b.shape if transpose_b else b.shape[::-1])
   if k_b != a.shape[-1]:
     raise ValueError(f"rlk_torch_bridge.det_gemm: inner dimensions differ: a "

@@ -49,7 +49,8 @@ class _ParallelDetLinear(nn.Module):
 
   def __init__(self, in_features: int, out_features: int, group=None,
                reduction_chunks: int = 8, bias: bool = True, device=None,
-               dtype=None, implementation: str | None = None):
+               dtype=None, implementation: str | None = None,
+               _initialise: bool = True):
     super().__init__()
     self.in_features, self.out_features = in_features, out_features
     self.group, self.reduction_chunks = group, reduction_chunks
@@ -62,21 +63,34 @@ class _ParallelDetLinear(nn.Module):
     kwargs = dict(device=device, dtype=dtype)
     self.weight = nn.Parameter(torch.empty(*shape, **kwargs))
     bias_size = shape[0]
-    self.bias = nn.Parameter(torch.zeros(bias_size, **kwargs)) if bias else None
-    nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+    self.bias = nn.Parameter(torch.empty(bias_size, **kwargs)) if bias else None
+    if _initialise:
+      # nn.Linear's initialisation, drawn per shard (fan-in of the whole
+      # layer): a fresh layer's values depend on the number of ranks; load
+      # or shard a whole layer (`from_linear`) for weights that do not.
+      bound = 1 / in_features ** 0.5 if in_features else 0
+      nn.init.uniform_(self.weight, -bound, bound)
+      if self.bias is not None:
+        nn.init.uniform_(self.bias, -bound, bound)
 
   @classmethod
   def from_linear(cls, linear: nn.Linear, group=None, reduction_chunks: int = 8,
-                  implementation: str | None = None):
+                  implementation: str | None = None, **kwargs):
     """This rank's shard of a whole `linear` (every rank holding the same
-    one, as after loading a checkpoint): a copy of its slice."""
+    one, as after loading a checkpoint): a copy of its slice, keeping
+    ``requires_grad``; draws no random numbers. `kwargs`: the layer's own
+    (``gather_output`` for a column-parallel one)."""
     module = cls(linear.in_features, linear.out_features, group,
                  reduction_chunks, linear.bias is not None,
-                 linear.weight.device, linear.weight.dtype, implementation)
+                 linear.weight.device, linear.weight.dtype, implementation,
+                 _initialise=False, **kwargs)
     with torch.no_grad():
       module.weight.copy_(module._local(linear.weight, module.split_dim))
       if linear.bias is not None:
         module.bias.copy_(module._local_bias(linear.bias))
+    module.weight.requires_grad_(linear.weight.requires_grad)
+    if linear.bias is not None:
+      module.bias.requires_grad_(linear.bias.requires_grad)
     return module
 
   def _local(self, whole, dim):
@@ -100,6 +114,14 @@ class RowParallelDetLinear(_ParallelDetLinear):
     return bias
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
+    local = self.weight.shape[1]
+    if x.shape[-1] != local:
+      raise ValueError(
+          f"rlk_torch_bridge.RowParallelDetLinear: the input's last "
+          f"dimension is {x.shape[-1]}, this rank's slice of the "
+          f"{self.in_features} input features is {local} (rank "
+          f"{self.rank} of {self.ranks}): pass the rank's slice, e.g. a "
+          f"ColumnParallelDetLinear's output.")
     y = _tree_gemm.tree_gemm(
         x, self.weight, transpose_b=True, out_dtype=x.dtype,
         implementation=self.implementation, chunks=self.reduction_chunks,

@@ -55,6 +55,9 @@ def gathered_shapes(hlo: str) -> list[str]:
 # and column-parallel (split along N: its rows); rows of x may be split too.
 LAYOUTS = {
     "row_parallel": dict(x=(None, "tp"), w=(None, "tp"), g=()),
+    # The activation whole on every device: sliced locally, the weight
+    # still never gathered.
+    "row_parallel_whole_input": dict(x=(), w=(None, "tp"), g=()),
     "column_parallel": dict(x=(), w=("tp", None), g=(None, "tp")),
     "row_parallel_data": dict(x=("data", "tp"), w=(None, "tp"), g=("data",)),
 }
@@ -104,8 +107,10 @@ def test_a_degree_that_cannot_hold_whole_subtrees_is_gathered(rng):
   f = jax.jit(functools.partial(rlk_jax.det_gemm, transpose_b=True,
                                 implementation="xla", reduction_chunks=2))
   mesh = tp_mesh(4)
-  got = f(put(mesh, x, None, "tp"), put(mesh, w, None, "tp"))
-  assert_bitwise_equal(got, f(single(x), single(w)))
+  args = (put(mesh, x, None, "tp"), put(mesh, w, None, "tp"))
+  assert_bitwise_equal(f(*args), f(single(x), single(w)))
+  gathered = gathered_shapes(f.lower(*args).compile().as_text())
+  assert any(s.startswith("f32[24,64]") for s in gathered), gathered
 
 
 # linear_logp's vocabulary-parallel mode: the weight's V split over the

@@ -187,19 +187,24 @@ def test_vocab_mode_accurate_against_float64(impl, rng):
   targets = np.asarray(rng.integers(0, v, n))
   temps = rng.uniform(0.5, 1.5, n).astype(np.float32)
   g = random_array(rng, (n,), jnp.float32)
+  g_ent = random_array(rng, (n,), jnp.float32)
   fn = lambda h_, w_: rlk_jax.linear_logp(
       h_, w_, jnp.asarray(targets), temperature=jnp.asarray(temps),
       return_entropy=True, implementation=impl, vocab_chunks=4)
   (logp, entropy), vjp = jax.vjp(fn, hidden, weight)
-  dh, dw = vjp((g, jnp.zeros_like(g)))
-  want_logp, want_entropy, _, p = dense_logp(hidden, weight, targets, temps)
+  dh, dw = vjp((g, g_ent))
+  want_logp, want_entropy, x, p = dense_logp(hidden, weight, targets, temps)
   assert relative_error(logp, want_logp) < 1e-5
   # lse - E[x] cancels where the entropy is small: an f32 ulp of lse.
   assert relative_error(entropy, want_entropy) < 1e-4
   onehot = np.eye(v)[targets]
-  dlogits = f64(g)[:, None] * (onehot - p) / temps[:, None]
-  assert relative_error(dh, dlogits @ f64(weight).T) < 1e-5
-  assert relative_error(dw, f64(hidden).T @ dlogits) < 1e-5
+  mean = (p * x).sum(1, keepdims=True)
+  dlogits = (f64(g)[:, None] * (onehot - p)
+             - f64(g_ent)[:, None] * p * (x - mean)) / temps[:, None]
+  # The default mode's bound (test_linear_logp): the entropy term's
+  # x - E[x] cancels in f32.
+  assert relative_error(dh, dlogits @ f64(weight).T) < 5e-5
+  assert relative_error(dw, f64(hidden).T @ dlogits) < 5e-5
 
 
 def test_vocab_mode_rows_invariant_ignored_and_bad_targets(rng):
