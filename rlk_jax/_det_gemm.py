@@ -196,21 +196,27 @@ def _matmul_fwd(impl, transpose_a, transpose_b, out_dtype, a, b):
   return _matmul(impl, transpose_a, transpose_b, out_dtype, a, b), (a, b)
 
 
-def _matmul_bwd(impl, transpose_a, transpose_b, out_dtype, residuals, g):
+def _vjp_products(da_product, db_product, transpose_a, transpose_b, a, b, g):
   # C = op_ta(A) op_tb(B), so d op_ta(A) = G op_tb(B)^T and
   # d op_tb(B) = op_ta(A)^T G; transposing back where an operand is stored
-  # transposed gives four products of the same primitive.
-  a, b = residuals
+  # transposed gives four products of the same primitive. `da_product` and
+  # `db_product(transpose_a, transpose_b, out_dtype, a, b)` run them.
   g = g.astype(a.dtype)
   if transpose_a:
-    da = _matmul(impl, transpose_b, True, a.dtype, b, g)
+    da = da_product(transpose_b, True, a.dtype, b, g)
   else:
-    da = _matmul(impl, False, not transpose_b, a.dtype, g, b)
+    da = da_product(False, not transpose_b, a.dtype, g, b)
   if transpose_b:
-    db = _matmul(impl, True, transpose_a, b.dtype, g, a)
+    db = db_product(True, transpose_a, b.dtype, g, a)
   else:
-    db = _matmul(impl, not transpose_a, False, b.dtype, a, g)
+    db = db_product(not transpose_a, False, b.dtype, a, g)
   return da, db
+
+
+def _matmul_bwd(impl, transpose_a, transpose_b, out_dtype, residuals, g):
+  product = functools.partial(_matmul, impl)
+  return _vjp_products(product, product, transpose_a, transpose_b,
+                       *residuals, g)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -264,17 +270,10 @@ def _tree_matmul_bwd(impl, transpose_a, transpose_b, out_dtype, chunks,
   # _matmul_bwd's products, with da's (a reduction over N, which a
   # column-parallel layer splits) cut into chunks too; db reduces over rows,
   # the data-parallel dimension: the default product.
-  a, b = residuals
-  g = g.astype(a.dtype)
-  if transpose_a:
-    da = _tree_matmul(impl, transpose_b, True, a.dtype, chunks, b, g)
-  else:
-    da = _tree_matmul(impl, False, not transpose_b, a.dtype, chunks, g, b)
-  if transpose_b:
-    db = _matmul(impl, True, transpose_a, b.dtype, g, a)
-  else:
-    db = _matmul(impl, not transpose_a, False, b.dtype, a, g)
-  return da, db
+  def da_product(ta, tb, dtype, x, y):
+    return _tree_matmul(impl, ta, tb, dtype, chunks, x, y)
+  return _vjp_products(da_product, functools.partial(_matmul, impl),
+                       transpose_a, transpose_b, *residuals, g)
 
 
 _tree_matmul.defvjp(_tree_matmul_fwd, _tree_matmul_bwd)

@@ -67,6 +67,22 @@ def _dims(transpose_a: bool, transpose_b: bool):
   return a, b
 
 
+def _axis(spec, dim):
+  return spec[dim] if dim < len(spec) else None
+
+
+def _rows_and_columns(arg_shapes, a_dims, b_dims):
+  """(A's and B's specs, the mesh axes of M and N): rows and columns stay
+  where they are; one mesh axis cannot split both, so the rows' keep it."""
+  a_spec = arg_shapes[0].sharding.spec
+  b_spec = arg_shapes[1].sharding.spec
+  m_axis = _axis(a_spec, a_dims.index("m"))
+  n_axis = _axis(b_spec, b_dims.index("n"))
+  if n_axis is not None and n_axis == m_axis:
+    n_axis = None
+  return a_spec, b_spec, m_axis, n_axis
+
+
 def partitioned_product(local, transpose_a: bool, transpose_b: bool):
   """`local(a, b)` (one device's product, ``[M, N]``) as a partitioned op.
   (Callers cache the result: each call makes a new primitive.)"""
@@ -76,17 +92,9 @@ def partitioned_product(local, transpose_a: bool, transpose_b: bool):
   def product(a, b):
     return local(a, b)
 
-  def axis(spec, dim):
-    return spec[dim] if dim < len(spec) else None
-
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    a_spec = arg_shapes[0].sharding.spec
-    b_spec = arg_shapes[1].sharding.spec
-    m_axis = axis(a_spec, a_dims.index("m"))
-    n_axis = axis(b_spec, b_dims.index("n"))
-    if n_axis is not None and n_axis == m_axis:
-      n_axis = None  # one mesh axis cannot split both: keep the rows'
+    _, _, m_axis, n_axis = _rows_and_columns(arg_shapes, a_dims, b_dims)
     names = {"m": m_axis, "n": n_axis, "k": None}
     a_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in a_dims)))
     b_sharding = NamedSharding(mesh, PartitionSpec(*(names[d] for d in b_dims)))
@@ -176,22 +184,15 @@ def partitioned_tree_product(local, transpose_a: bool, transpose_b: bool,
   def product(a, b):
     return local(a, b)
 
-  def axis(spec, dim):
-    return spec[dim] if dim < len(spec) else None
-
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    a_spec = arg_shapes[0].sharding.spec
-    b_spec = arg_shapes[1].sharding.spec
-    m_axis = axis(a_spec, a_dims.index("m"))
-    n_axis = axis(b_spec, b_dims.index("n"))
-    if n_axis is not None and n_axis == m_axis:
-      n_axis = None
+    a_spec, b_spec, m_axis, n_axis = _rows_and_columns(arg_shapes, a_dims,
+                                                       b_dims)
     # The weight's (B's) K split decides: A's K is resharded to it (a
     # replicated activation is sliced locally, no communication); only
     # where B's K is whole does A's split stand (B is sliced locally).
-    k_axis = (axis(b_spec, b_dims.index("k"))
-              or axis(a_spec, a_dims.index("k")))
+    k_axis = (_axis(b_spec, b_dims.index("k"))
+              or _axis(a_spec, a_dims.index("k")))
     if k_axis in (m_axis, n_axis):
       k_axis = None
     ranks = axis_size(mesh, k_axis)
