@@ -199,16 +199,16 @@ def _lookup_rows(calls: int = 2000) -> list[Row]:
   if torch is None:
     return rows
   import rlk_torch_bridge
-  from rlk_torch_bridge import _cpp_autograd
+  from rlk_torch_bridge import _gemm_op
   a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
   b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
   rlk_torch_bridge.det_gemm(a, b)
   # The C++ route's kept plan: the operator with its configs bound.
-  plan = _cpp_autograd.product(a, b, False, torch.bfloat16, None)
+  plan = _gemm_op.cpp_run(a, b, False, torch.bfloat16, None)
   if plan is not None:
     rows.append(_per_call_row(
         "torch_plan_hit",
-        lambda: _cpp_autograd.product(a, b, False, torch.bfloat16, None),
+        lambda: _gemm_op.cpp_run(a, b, False, torch.bfloat16, None),
         calls))
   rows.append(_per_call_row(
       "torch_eager_det_gemm", lambda: rlk_torch_bridge.det_gemm(a, b), calls,

@@ -62,13 +62,13 @@ def _in_mode(torch, rtb, x, w):
 
 def _python_route(rtb, x, w):
   """rtb.det_gemm with the C++ autograd route off (rlk::det_mm)."""
-  from rlk_torch_bridge import _cpp_autograd
-  was = _cpp_autograd.enabled()
-  _cpp_autograd.set_enabled(False)
+  from rlk_torch_bridge import _cpp_extension
+  was = _cpp_extension.enabled()
+  _cpp_extension.set_enabled(False)
   try:
     return rtb.det_gemm(x, w, transpose_b=True)
   finally:
-    _cpp_autograd.set_enabled(was)
+    _cpp_extension.set_enabled(was)
 
 
 def _interleaved(torch, calls: dict, args, iters):

@@ -24,7 +24,7 @@ The handlers are the torch-function mode's (``batch_invariant._Products``):
 the same det ops, so the same bits. A call they leave goes to the kernel
 registered before (``torch.library.get_kernel``).
 
-On an SM90 GPU with the C++ extension (``_cpp_autograd``), C++ kernels for
+On an SM90 GPU with the C++ extension (``_cpp_extension``), C++ kernels for
 ``linear`` and ``mean.dim`` go on top of these (``csrc/aten_route.cpp``):
 calls that need no gradient run det_gemm's product with the config this
 route planned for the shape, and the row kernel, with no Python; the rest
@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from rlk_torch_bridge import _cpp_autograd
+from rlk_torch_bridge import _cpp_extension
 
 _ENTRY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "mean.dim",
           "scaled_dot_product_attention")
@@ -49,11 +49,11 @@ def _cpp_route(products) -> bool:
   """Whether the C++ kernels go on top: the mode's default implementation
   (the one whose plans they replay) on a GPU where the row kernel is the
   cuda_ffi library's (the one they launch; ``_row_mean_op``)."""
-  if (products.implementation is not None or not _cpp_autograd.enabled()
+  if (products.implementation is not None or not _cpp_extension.enabled()
       or not torch.cuda.is_available()):
     return False
   from rlk_torch_bridge import _row_mean_op
-  return _row_mean_op._library_kernel() and _cpp_autograd.load()
+  return _row_mean_op._library_kernel() and _cpp_extension.load()
 
 
 def _handler_name(op: str) -> str:

@@ -29,7 +29,7 @@ import math
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _library
+from rlk_torch_bridge import _attention_op, _attention_rows, _library
 
 
 @functools.cache
@@ -56,7 +56,7 @@ def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:
   place. `kv_start` may be None (every sequence starts at slot 0)."""
   b = key.shape[0]
   rows_per_batch = key.stride(0) // key.stride(2)
-  q_start, q_len, k_base = _attention_op.static_rows(
+  q_start, q_len, k_base = _attention_rows.static_rows(
       key.device, (("arange", b, n), ("full", b, n),
                    ("arange", b, rows_per_batch)))
   k_start = k_base if kv_start is None else k_base + kv_start
@@ -97,7 +97,7 @@ class Step:
     if plan is not None:
       hpt, chunks = plan
     config = config or default_config
-    tiles = _attention_op.decode_tiles(query.device, b, n,
+    tiles = _attention_rows.decode_tiles(query.device, b, n,
                                        config.tile_rows(True) // hpt)
     self._shape = (b, n, hq, d)
     self._unfit = unfit

@@ -160,3 +160,25 @@ def to_torch_all(*arrays: jax.Array) -> tuple[torch.Tensor, ...]:
 
 def to_torch(a: jax.Array) -> torch.Tensor:
   return to_torch_all(a)[0]
+
+
+def refuse_capture(op: str, implementation: str, device: torch.device) -> None:
+  """The JAX route runs on JAX's own stream and allocator: a torch CUDA graph
+  cannot capture it. Say so instead of failing inside the capture."""
+  if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    raise RuntimeError(
+        f"rlk_torch_bridge.{op}: implementation {implementation!r} runs "
+        "through JAX, which a torch CUDA graph cannot capture; on an SM90 GPU "
+        "the 'cuda_ffi' implementation launches on torch's stream and can be "
+        "captured.")
+
+
+def through_jax(op: str, implementation: str, fn,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+  """The DLPack route of a bridged op: `fn` (a jitted JAX function: the
+  rlk_jax op itself, implementation `implementation`) on JAX views of
+  `tensors` (one computation reads them all), its outputs back as torch
+  views (a tuple)."""
+  refuse_capture(op, implementation, tensors[0].device)
+  out = fn(*to_jax_all(*tensors, one_computation=True))
+  return to_torch_all(*(out if isinstance(out, (tuple, list)) else (out,)))

@@ -6,25 +6,26 @@ is ``[..., K]`` (or ``[K, M]`` stored transposed), ``b`` is ``[K, N]`` (or
 ``[N, K]``). The forward and every backward product are calls of this op
 with the products and operands of rlk_jax's own VJP (``_det_gemm._matmul_bwd``),
 on the implementation the forward ran, so torch's gradients have JAX's bits.
-On an SM90 GPU ``cuda_ffi`` launches the CUTLASS kernels on torch's stream
-(capturable in CUDA graphs); every other implementation runs one jitted JAX
-call through DLPack.
+This module holds the op's contract: its schema, fake kernel, autograd and
+the choice of implementation (rlk_jax's own plan). The products run on the
+implementation chosen in ``_gemm_routes``: on an SM90 GPU ``cuda_ffi``
+launches the CUTLASS kernels on torch's stream (capturable in CUDA graphs),
+``triton`` launches Triton's kernel there, every other implementation runs
+one jitted JAX call through DLPack. Eager CUDA calls take the C++ route
+with its autograd where it applies (``det_mm``; ``_sm90``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import torch
 
 import cuda_ffi
-from rlk_jax import _det_gemm, _gemm_tuning
-from rlk_torch_bridge import _in_situ, _library, _sm90
-from triton_kernels import det_matmul as triton_det_matmul
+from rlk_jax import _det_gemm
+from rlk_torch_bridge import _cpp_extension, _gemm_routes, _library, _sm90
 from rlk_torch_bridge._checks import jax_dtype, platform_of
-from rlk_torch_bridge._dlpack import to_jax_all, to_torch
 
 SCHEMA = ("(Tensor a, Tensor b, bool transpose_a, bool transpose_b, "
           "ScalarType out_dtype, str? implementation) -> Tensor")
@@ -53,21 +54,6 @@ def choose(a_shape: tuple, b_shape: tuple, transpose_a: bool,
                                  jax_dtype(dtype), jax_dtype(out_dtype)))).name
 
 
-def _dims(a_shape, b_shape, transpose_a, transpose_b):
-  """(leading shape of the result, K, N)."""
-  lead = (a_shape[1],) if transpose_a else tuple(a_shape[:-1])
-  k = a_shape[0] if transpose_a else a_shape[-1]
-  n = b_shape[0] if transpose_b else b_shape[1]
-  return lead, k, n
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _jax_product(implementation, transpose_a, transpose_b, out_dtype, a, b):
-  # rlk_jax's primitive itself (its custom_vjp forward): the JAX op's bits.
-  return _det_gemm._matmul(implementation, transpose_a, transpose_b, out_dtype,
-                           a, b)
-
-
 def _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation):
   """`choose` for tensors. An empty product is checked by the reference,
   which takes any size: its result (zeros, or empty) needs no kernel."""
@@ -83,91 +69,18 @@ _PLANS: dict = {}
 
 
 def _kernel(a, b, transpose_a, transpose_b, out_dtype, implementation):
-  # Everything a signature decides (checks, implementation, sizes, the
-  # launcher) is worked out once: the eager per-call cost is most of what a
-  # small product costs.
   key = (a.shape, b.shape, transpose_a, transpose_b, a.dtype, b.dtype,
          out_dtype, implementation, a.is_cuda, cuda_ffi.generation())
-  run = _PLANS.get(key)
-  if run is None:
-    if len(_PLANS) > 4096:
-      _PLANS.clear()
-    run = _plan(a, b, transpose_a, transpose_b, out_dtype, implementation)
-    # A plan made while recording a CUDA graph chose its kernel config
-    # without measuring (tuning never runs inside a capture): kept for this
-    # call only, so the next eager call may still tune.
-    if not (a.is_cuda and torch.cuda.is_current_stream_capturing()):
-      _PLANS[key] = run
-  return run(a, b)
-
-
-def _plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
-  """``run(a, b)`` for the signature of this call."""
-  lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
-  m = math.prod(lead)
-  out_shape = (*lead, n)
-  impl = _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
-  if not (m and n and k):  # a backward over zero rows, say: an empty sum
-    return lambda a, b: a.new_zeros(out_shape, dtype=out_dtype)
-  flat = (lambda a: a) if transpose_a or a.ndim == 2 else (
-      lambda a: a.reshape(m, k))
-  shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
-  config = None
-  if impl == "cuda_ffi" and a.is_cuda:
-    capturing = torch.cuda.is_current_stream_capturing()
-    out_f32 = out_dtype == torch.float32
-    config = _gemm_tuning.choose_config(
-        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-        out_f32=out_f32, may_tune=not capturing)
-    if config is None:
-      # Its kernel is still building (cuda_ffi.build): the next
-      # implementation meanwhile, which gives the same bits. (The plan is
-      # keyed by the library's generation: a later call takes the kernel.)
-      impl = _det_gemm.while_building(_det_gemm.product_operands(
-          (m, k) if not transpose_a else (k, m), b.shape, transpose_a,
-          transpose_b, jax_dtype(a.dtype), jax_dtype(out_dtype))).name
-  if config is not None:
-    trial = None if capturing else _in_situ.trial(
-        m, n, k, transpose_a, transpose_b, out_f32, config)
-    if trial is None or trial.best is not None:
-      product = _sm90.product_launcher(m, n, k, transpose_a, transpose_b,
-                                       out_dtype, config)
-      return lambda a, b: shaped(product(flat(a), b))
-    # Its first calls time the trial's configs (every one gives the same
-    # bits); the trial keeps the fastest.
-    products = {c: _sm90.product_launcher(m, n, k, transpose_a, transpose_b,
-                                          out_dtype, c)
-                for c in trial.configs}
-    launch = lambda a, b, c: products[c](a, b)
-    return lambda a, b: shaped(trial.run(launch, flat(a), b))
-  if impl == "triton" and a.is_cuda:
-    # The kernel JAX launches through jax-triton, launched by Triton itself
-    # on torch's current stream: one kernel source and specialization, no
-    # DLPack.
-    config = _gemm_tuning.choose_pallas_config(
-        m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-        dtype=jax_dtype(a.dtype))
-
-    def native(a, b):
-      out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-      triton_det_matmul.matmul_torch(
-          flat(a).contiguous(), b.contiguous(), out, transpose_a=transpose_a,
-          transpose_b=transpose_b, config=config)
-      return shaped(out)
-    return native
-  jax_out_dtype = jax_dtype(out_dtype)
-
-  def through_jax(a, b):
-    _library.refuse_capture("det_gemm", impl, a.device)
-    out = _jax_product(impl, transpose_a, transpose_b, jax_out_dtype,
-                       *to_jax_all(flat(a), b, one_computation=True))
-    return shaped(to_torch(out))
-  return through_jax
+  return _gemm_routes.cached(_PLANS, key, a, lambda: _gemm_routes.plan(
+      a, b, transpose_a, transpose_b, out_dtype,
+      _choose_for(a, b, transpose_a, transpose_b, out_dtype,
+                  implementation)))(a, b)
 
 
 def _fake(a, b, transpose_a, transpose_b, out_dtype, implementation):
   _choose_for(a, b, transpose_a, transpose_b, out_dtype, implementation)
-  lead, k, n = _dims(a.shape, b.shape, transpose_a, transpose_b)
+  lead, k, n = _gemm_routes.dims(a.shape, b.shape, transpose_a,
+                                  transpose_b)
   torch._check(k == (b.shape[1] if transpose_b else b.shape[0]),
                lambda: f"rlk::det_mm: inner dimensions differ: a {a.shape}, "
                        f"b {b.shape}")
@@ -218,3 +131,31 @@ def _differentiable(a, b, *_):
 
 
 OP = _library.define("det_mm", SCHEMA, _kernel, _fake, DetMm, _differentiable)
+
+
+def cpp_run(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
+            out_dtype: torch.dtype, implementation: str | None):
+  """``run(a, b)`` on the SM90 C++ route with its autograd for this eager
+  CUDA call's signature, or None where that route does not take it
+  (``_sm90.cpp_plan``)."""
+  key = _sm90.cpp_key(a, b, transpose_b, out_dtype, implementation)
+  run = _sm90.cpp_planned(key)
+  if run is _sm90.NOT_PLANNED:
+    run = _sm90.cpp_plan(key, a, b, transpose_b, out_dtype, implementation,
+                         _choose_for(a, b, False, transpose_b, out_dtype,
+                                     implementation))
+  return run
+
+
+def det_mm(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,
+           out_dtype: torch.dtype, implementation: str | None) -> torch.Tensor:
+  """``a @ op(b)``, the public det_gemm's product: on the C++ route where it
+  applies (eager CUDA calls whose plan names ``cuda_ffi``), else the
+  ``rlk::det_mm`` operator."""
+  if (a.is_cuda and _cpp_extension.enabled()
+      and not torch.compiler.is_compiling()):
+    run = cpp_run(a, b, transpose_b, out_dtype, implementation)
+    if run is not None:
+      return run(a, b)
+  return _library.call(OP, a, b, False, transpose_b, out_dtype,
+                       implementation)

@@ -1,6 +1,6 @@
 """Choosing a large det_gemm product's SM90 config by timing the caller's
 own calls of it (the torch bridge's SM90 routes: ``_gemm_op`` and
-``_cpp_autograd``).
+its C++ route, both in ``_sm90``).
 
 Why: the autotuner times each config alone, on its own operands and
 stream. Inside a model's forward, between the elementwise kernels around

@@ -86,14 +86,3 @@ def _hint(size: torch.SymInt) -> int:
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
   return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def refuse_capture(op: str, implementation: str, device: torch.device) -> None:
-  """The JAX route runs on JAX's own stream and allocator: a torch CUDA graph
-  cannot capture it. Say so instead of failing inside the capture."""
-  if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-    raise RuntimeError(
-        f"rlk_torch_bridge.{op}: implementation {implementation!r} runs "
-        "through JAX, which a torch CUDA graph cannot capture; on an SM90 GPU "
-        "the 'cuda_ffi' implementation launches on torch's stream and can be "
-        "captured.")

@@ -26,9 +26,8 @@ import jax
 import torch
 
 from rlk_jax import _linear_logp
-from rlk_torch_bridge import _library, _sm90_logp
+from rlk_torch_bridge import _dlpack, _library, _sm90_logp
 from rlk_torch_bridge._checks import jax_dtype, platform_of
-from rlk_torch_bridge._dlpack import to_jax_all, to_torch_all
 
 FORWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, "
                   "Tensor temperature, int chunk_size, bool with_entropy, "
@@ -77,10 +76,10 @@ def _forward_kernel(hidden, weight, targets, temps, chunk_size, with_entropy,
     logp, entropy, lse = _sm90_logp.forward(hidden, weight, targets, temps,
                                             chunk_size, with_entropy)
   else:
-    _library.refuse_capture("linear_logp", impl, hidden.device)
-    logp, lse, entropy = to_torch_all(*_jax_forward(
-        impl, chunk_size, with_entropy,
-        *to_jax_all(hidden, weight.t(), targets, temps, one_computation=True)))
+    logp, lse, entropy = _dlpack.through_jax(
+        "linear_logp", impl,
+        functools.partial(_jax_forward, impl, chunk_size, with_entropy),
+        hidden, weight.t(), targets, temps)
   return logp, _entropy_output(entropy, with_entropy), lse
 
 
@@ -104,14 +103,14 @@ def _grads(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
     return _sm90_logp.backward(hidden, weight, targets, temps, lse, entropy,
                                g_logp, g_entropy, chunk_size, with_entropy,
                                dw_accumulator)
-  _library.refuse_capture("linear_logp", implementation, hidden.device)
   if not with_entropy:  # unread; JAX's routes take N rows
     entropy, g_entropy = lse, torch.zeros_like(lse)
   dw_dtype = None if dw_accumulator is None else jax.numpy.float32
-  dh, dw = to_torch_all(*_jax_backward(
-      implementation, chunk_size, with_entropy, dw_dtype,
-      *to_jax_all(hidden, weight.t(), targets, temps, lse, entropy, g_logp,
-                  g_entropy, one_computation=True)))
+  dh, dw = _dlpack.through_jax(
+      "linear_logp", implementation,
+      functools.partial(_jax_backward, implementation, chunk_size,
+                        with_entropy, dw_dtype),
+      hidden, weight.t(), targets, temps, lse, entropy, g_logp, g_entropy)
   if dw_accumulator is None:
     return dh, dw
   dw_accumulator += dw

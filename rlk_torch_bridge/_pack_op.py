@@ -20,9 +20,8 @@ import torch
 
 import rlk_jax
 from rlk_jax import _pack
-from rlk_torch_bridge import _cuda_pack, _library, _packinfo
+from rlk_torch_bridge import _cuda_pack, _dlpack, _library, _packinfo
 from rlk_torch_bridge._checks import platform_of
-from rlk_torch_bridge._dlpack import to_jax_all, to_torch_all
 
 PACK_SCHEMA = ("(Tensor x, Tensor mask, int capacity, Scalar fill, "
                "bool checked, str? implementation) -> (Tensor, Tensor)")
@@ -102,13 +101,12 @@ def _pack_kernel(x, mask, capacity, fill, checked, implementation):
                      int(torch.count_nonzero(mask)), capacity)
   if impl == "cuda_ffi" and x.is_cuda:
     return _cuda_pack.pack_from_mask(x, mask, capacity, fill)
-  _library.refuse_capture("pack", impl, x.device)
   wide = _wide(x)
   src = _words(x) if wide else x
-  packed, info = _jax_pack(*to_jax_all(src, mask, one_computation=True),
-                           capacity=capacity, fill=0 if wide else fill,
-                           implementation=impl)
-  packed, info = to_torch_all(packed, info)
+  packed, info = _dlpack.through_jax(
+      "pack", impl, functools.partial(
+          _jax_pack, capacity=capacity, fill=0 if wide else fill,
+          implementation=impl), src, mask)
   if wide:
     valid = _packinfo.PackInfo(info, mask_shape, capacity).valid
     packed = _filled(_from_words(packed, x.dtype), valid, fill)
@@ -154,12 +152,12 @@ def _move_kernel(x, info, mask_shape, capacity, to_packed, fill,
   mask_shape = tuple(mask_shape)
   if impl == "cuda_ffi" and x.is_cuda:
     return _cuda_pack.move(x, info, mask_shape, capacity, to_packed, fill)
-  _library.refuse_capture("pack" if to_packed else "unpack", impl, x.device)
   wide = _wide(x)
-  out, = to_torch_all(_jax_move(
-      *to_jax_all(_words(x) if wide else x, info, one_computation=True),
-      to_packed=to_packed, mask_shape=mask_shape, capacity=capacity,
-      fill=0 if wide else fill, implementation=impl))
+  out, = _dlpack.through_jax(
+      "pack" if to_packed else "unpack", impl, functools.partial(
+          _jax_move, to_packed=to_packed, mask_shape=mask_shape,
+          capacity=capacity, fill=0 if wide else fill, implementation=impl),
+      _words(x) if wide else x, info)
   if not wide:
     return out
   fields = _packinfo.PackInfo(info, mask_shape, capacity)

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from rlk_torch_bridge import _cpp_autograd, _library
+from rlk_torch_bridge import _cpp_extension, _gemm_op, _library
 
 
 @functools.cache
@@ -72,16 +72,16 @@ def _through_ctypes(x, divisor: int):
 
 def _reduce(x, divisor: int):
   if x.is_cuda and _library_kernel():
-    if _cpp_autograd.enabled() and _cpp_autograd.load():
+    if _cpp_extension.enabled() and _cpp_extension.load():
       return torch.ops.rlk.row_reduce_sm90(x, float(divisor))
     return _through_ctypes(x, divisor)
   if _on_row_kernel(x):
     from triton_kernels.row_sum import row_mean_torch
     return _on_rows(x, divisor, row_mean_torch)
-  from rlk_torch_bridge.functions import det_gemm
   k = x.shape[-1]
   ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
-  total = det_gemm(x.reshape(-1, k), ones, out_dtype=torch.float32)[:, 0]
+  total = _gemm_op.det_mm(x.reshape(-1, k), ones, False, torch.float32,
+                          None)[:, 0]
   return (total / divisor).to(x.dtype).reshape(x.shape[:-1])
 
 

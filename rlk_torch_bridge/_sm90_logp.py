@@ -27,15 +27,15 @@ import torch
 
 import cuda_ffi
 from rlk_jax import _linear_logp
-from rlk_torch_bridge import _gemm_op, _sm90
+from rlk_torch_bridge import _gemm_routes, _sm90
 from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
 def _product(a, b, transpose_a, transpose_b, out_dtype):
-  """rlk::det_mm's own kernel on the SM90 implementation (the product
-  rlk_jax's linear_logp asks det_gemm for)."""
-  return _gemm_op._kernel(a, b, transpose_a, transpose_b, out_dtype,
-                          "cuda_ffi")
+  """det_gemm's product on the SM90 implementation (the product rlk_jax's
+  linear_logp asks det_gemm for)."""
+  return _gemm_routes.product(a, b, transpose_a, transpose_b, out_dtype,
+                              "cuda_ffi")
 
 
 def _ptrs(*tensors):

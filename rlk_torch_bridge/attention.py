@@ -11,7 +11,7 @@ import math
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _library
+from rlk_torch_bridge import _attention_op, _attention_rows, _library
 from rlk_torch_bridge._checks import check_same_device, check_tensor
 
 
@@ -61,7 +61,7 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
                         length]), contiguous
   n, s_cache = q.shape[1], k.shape[1]
   kv_lens = _ints(kv_lens, "kv_lens", dev)
-  q_start, q_len, k_base = _attention_op.static_rows(
+  q_start, q_len, k_base = _attention_rows.static_rows(
       dev, (("arange", b, n), ("full", b, n), ("arange", b, k_rows)))
   if kv_start is None:  # a decode step: two small kernels, not a dozen
     if tuple(kv_lens.shape) != (b,):
@@ -106,7 +106,7 @@ def _paged_seqs(q, k, kv_lens, block_tables, kernel_checks: bool):
   if tables.ndim != 2 or tables.shape[0] != b or tables.shape[1] < 1:
     raise ValueError(f"det_attention: block_tables must be [B, blocks] = "
                      f"[{b}, >= 1], got {tuple(tables.shape)}")
-  q_start, q_len, zeros = _attention_op.static_rows(
+  q_start, q_len, zeros = _attention_rows.static_rows(
       dev, (("arange", b, n), ("full", b, n), ("full", b, 0)))
   seqs = torch.cat([torch.stack([q_start, q_len, zeros, kv_lens]), tables.T])
   if kernel_checks:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlk_jax import _pack, _validate
-from rlk_torch_bridge import (_cpp_autograd, _gemm_op, _library, _pack_op,
-                              _tree_gemm)
+from rlk_torch_bridge import _gemm_op, _library, _pack_op, _tree_gemm
 from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 from rlk_torch_bridge._packinfo import PackInfo
 
@@ -40,13 +39,7 @@ def det_gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype=None,
                                 out_dtype=out_dtype,
                                 implementation=implementation,
                                 chunks=reduction_chunks)
-  if (a.is_cuda and _cpp_autograd.enabled()
-      and not torch.compiler.is_compiling()):
-    run = _cpp_autograd.product(a, b, transpose_b, out_dtype, implementation)
-    if run is not None:
-      return run(a, b)
-  return _library.call(_gemm_op.OP, a, b, False, transpose_b, out_dtype,
-                       implementation)
+  return _gemm_op.det_mm(a, b, transpose_b, out_dtype, implementation)
 
 
 def _checked_fill(op, x, fill_value):

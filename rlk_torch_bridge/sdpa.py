@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _cache_step, _library
+from rlk_torch_bridge import _attention_op, _attention_rows, _cache_step, _library
 from rlk_torch_bridge.attention import det_attention
 
 
@@ -148,7 +148,7 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
     if n == s_k:
       return det_attention(q, k, v, **opts)
     # One new row against all keys (refusal admits nothing else here).
-    full, = _attention_op.static_rows(q.device, (("full", b, s_k),))
+    full, = _attention_rows.static_rows(q.device, (("full", b, s_k),))
     if _cache_step.eligible(query, key, value, implementation):
       return _cache_step.run(query, key, value, _cache_step.sequence_table(
           key, n, None, full), scale, softcap, sliding_window)

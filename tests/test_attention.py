@@ -464,13 +464,13 @@ def test_float16_pack_equals_alone_and_float64(route, rng):
 def test_decode_tile_map_is_the_general_one(b, n, rows):
   """The torch route's shape-only tile map of a KV-cache call lists the
   tiles the general one (from the lengths) lists, in the same order."""
-  from rlk_torch_bridge import _attention_op
+  from rlk_torch_bridge import _attention_rows
   from triton_kernels import attention as kernels
   lengths = torch.full((b,), n, dtype=torch.int32)
-  general = _attention_op._tile_map(lengths, rows, kernels.tile_bound(
+  general = _attention_rows.tile_map(lengths, rows, kernels.tile_bound(
       b * n, b, rows))
   per_seq = -(-n // rows)
-  uniform, = _attention_op.static_rows(torch.device("cpu"),
+  uniform, = _attention_rows.static_rows(torch.device("cpu"),
                                        (("tiles", b, per_seq, rows),))
   assert torch.equal(general[:, :b * per_seq], uniform)
   assert (general[0, b * per_seq:] == -1).all()

@@ -15,7 +15,7 @@ from conftest import ON_GPU
 
 triton = pytest.importorskip("triton", reason="Triton wheels: Linux x86_64")
 torch = pytest.importorskip("torch")
-from rlk_torch_bridge import _attention_op  # noqa: E402
+from rlk_torch_bridge import _attention_rows  # noqa: E402
 from triton_kernels import attention as kernels  # noqa: E402
 
 pytestmark = [
@@ -44,7 +44,7 @@ def _seqs(rows):  # [(q_start, q_len, k_start, k_len)] -> int32 [4, B]
 def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0,
             config=CONFIG, page=0):
   tokens = config.tile_rows(bool(split_chunks)) // heads_per_tile
-  tiles = _attention_op._tile_map(seqs[1], tokens, kernels.tile_bound(
+  tiles = _attention_rows.tile_map(seqs[1], tokens, kernels.tile_bound(
       q.shape[0], seqs.shape[1], tokens))
   out = torch.full_like(q, float("nan"))  # poisoned: every row is written
   lse = torch.full(q.shape[:2], float("nan"), device=q.device)
@@ -55,10 +55,10 @@ def forward(q, k, v, seqs, statics, heads_per_tile=1, split_chunks=0,
 def backward(q, k, v, seqs, g, statics):
   out, lse = forward(q, k, v, seqs, statics)
   dq_rows = CONFIG.dq_tiles()[0]
-  q_tiles = _attention_op._tile_map(seqs[1], dq_rows,
+  q_tiles = _attention_rows.tile_map(seqs[1], dq_rows,
                                     kernels.tile_bound(q.shape[0], seqs.shape[1],
                                                        dq_rows))
-  k_tiles = _attention_op._tile_map(seqs[3], CONFIG.bwd_block_n,
+  k_tiles = _attention_rows.tile_map(seqs[3], CONFIG.bwd_block_n,
                                     kernels.tile_bound(
                                         k.numel() // k.shape[-1] // HKV,
                                         seqs.shape[1], CONFIG.bwd_block_n))
@@ -252,7 +252,7 @@ def test_one_kernel_tile_map_is_the_ops_one(rng, n_seqs):
   for rows in (16, 64, 128):
     n_tiles = kernels.tile_bound(int(lengths.sum()), n_seqs, rows) + 5
     got = kernels.tile_map_torch(lengths_t, rows, n_tiles)
-    want = _attention_op._tile_map_ops(lengths_t, rows, n_tiles)
+    want = _attention_rows.tile_map_ops(lengths_t, rows, n_tiles)
     assert torch.equal(got.cpu(), want.cpu()), rows
 
 
@@ -266,7 +266,7 @@ def test_fill_outside_writes_only_rows_in_no_sequence(rng, n_seqs):
   starts = (np.cumsum(lengths + gaps) - lengths).astype(np.int32)
   n_rows = int(starts[-1] + lengths[-1]) + 7
   s_t, l_t = (torch.tensor(x, device=DEVICE) for x in (starts, lengths))
-  covered = _attention_op._covered(s_t, l_t, n_rows)
+  covered = _attention_rows.covered(s_t, l_t, n_rows)
   for shape, value in (((n_rows, 3, 8), 0.0), ((n_rows, 3), float("-inf"))):
     x = torch.tensor(rng.standard_normal(shape), dtype=torch.float32,
                      device=DEVICE)

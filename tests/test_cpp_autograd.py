@@ -13,14 +13,15 @@ import torch
 
 import rlk_torch_bridge as rtb
 from cuda_ffi import build
-from rlk_torch_bridge import _cpp_autograd, _gemm_op, _library
+from rlk_torch_bridge import (_cpp_extension, _gemm_op, _gemm_routes,
+                              _library, _sm90)
 
 
 NO_NVCC = build.toolchain_reason(cutlass=False)
 
 
 @pytest.mark.skipif(NO_NVCC is not None, reason=f"no CUDA toolchain: {NO_NVCC}")
-@pytest.mark.parametrize("source", _cpp_autograd.SOURCES, ids=lambda s: s.stem)
+@pytest.mark.parametrize("source", _cpp_extension.SOURCES, ids=lambda s: s.stem)
 def test_the_sources_compile_against_the_installed_torch(tmp_path, source):
   include = pathlib.Path(torch.__file__).parent / "include"
   # A CPU build of torch ships c10/cuda's headers without the one header its
@@ -51,7 +52,7 @@ def test_backward_products_are_the_python_routes(monkeypatch, transpose_b):
   real = _library.below_autograd
 
   def record(op, x, y, ta, tb, *rest):
-    lead_dims, kk, nn = _gemm_op._dims(x.shape, y.shape, ta, tb)
+    lead_dims, kk, nn = _gemm_routes.dims(x.shape, y.shape, ta, tb)
     calls.append((math.prod(lead_dims), nn, kk, ta, tb, False))
     return real(op, x, y, ta, tb, *rest)
 
@@ -60,16 +61,16 @@ def test_backward_products_are_the_python_routes(monkeypatch, transpose_b):
                      transpose_b=transpose_b)
   calls.clear()  # the forward's call: the rest are the backward's
   out.backward(torch.ones_like(out))
-  want = _cpp_autograd._products(math.prod(lead), n, k, transpose_b, False)
+  want = _sm90._products(math.prod(lead), n, k, transpose_b, False)
   assert calls == list(want[1:])
 
 
 def test_on_by_default_and_never_taken_on_cpu(monkeypatch):
   import os
-  assert _cpp_autograd.enabled() == (os.environ.get(_cpp_autograd.ENV) != "0")
-  monkeypatch.setattr(_cpp_autograd, "_switch", [True])
+  assert _cpp_extension.enabled() == (os.environ.get(_cpp_extension.ENV) != "0")
+  monkeypatch.setattr(_cpp_extension, "_switch", [True])
   taken = []
-  monkeypatch.setattr(_cpp_autograd, "product",
+  monkeypatch.setattr(_gemm_op, "cpp_run",
                       lambda *args: taken.append(args))
   x = torch.ones(4, 8)
   assert torch.equal(rtb.det_gemm(x, torch.ones(8, 2)), torch.full((4, 2), 8.0))

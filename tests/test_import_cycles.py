@@ -172,3 +172,46 @@ def test_a_package_importing_above_its_layer_is_found(tmp_path):
   assert above_layer(crossings, {"low": set(), "high": {"low"}}) == [
       ("low.mod", "high.mod")]
   assert above_layer(crossings, {"low": {"high"}, "high": set()}) == []
+
+
+# The torch bridge's own layers (docs/design.md's map): the public API and
+# the batch-invariant mode, then one module per operator (schema, fake
+# kernel, autograd, the choice of implementation), then the routes that
+# launch a chosen implementation (SM90, Triton, the C++ extension, DLPack
+# to JAX), then the plumbing every layer shares. A module imports its own
+# layer or those below: a call goes down and never climbs back.
+BRIDGE_LAYERS = (
+    ("__init__", "functions", "logp", "attention", "nn", "tensor_parallel",
+     "batch_invariant", "sdpa", "transformers_attention",
+     "transformers_generate", "_aten_route", "_fallthroughs"),
+    ("_gemm_op", "_tree_gemm", "_logp_op", "_pack_op", "_attention_op",
+     "_cache_step", "_row_mean_op"),
+    ("_gemm_routes", "_sm90", "_sm90_logp", "_sm90_attention",
+     "_triton_native", "_triton_attention", "_attention_rows", "_cuda_pack",
+     "_packinfo", "_cpp_extension", "_in_situ", "_dlpack"),
+    ("_library", "_checks", "_torch_stream"),
+)
+
+
+def climbs(graph, package, layers) -> list[tuple[str, str]]:
+  """(module, imported module) of each import of `package` that climbs to
+  a layer above the importer's."""
+  tier = {f"{package}.{m}" if m != "__init__" else package: i
+          for i, names in enumerate(layers) for m in names}
+  return sorted((name, dep) for name, deps in graph.items() if name in tier
+                for dep in deps if dep in tier and tier[dep] < tier[name])
+
+
+def test_the_bridge_calls_down_its_layers():
+  graph = import_graph(ROOT, PACKAGES)
+  bridge = {n for n in graph if n.split(".")[0] == "rlk_torch_bridge"}
+  named = {f"rlk_torch_bridge.{m}" if m != "__init__" else "rlk_torch_bridge"
+           for names in BRIDGE_LAYERS for m in names}
+  assert bridge == named  # a new module is placed in a layer
+  assert climbs(graph, "rlk_torch_bridge", BRIDGE_LAYERS) == []
+
+
+def test_a_climb_between_layers_is_found():
+  graph = {"p.top": {"p.low"}, "p.low": set(), "p.mid": {"p.top"}}
+  assert climbs(graph, "p", (("top",), ("mid",), ("low",))) == [
+      ("p.mid", "p.top")]

@@ -236,15 +236,15 @@ def test_cpp_autograd_route_gives_the_python_routes_bits(monkeypatch):
   # rlk::det_mm_sm90 (the backward's products launched from C++) against
   # rlk::det_mm's Python autograd: the same kernels, so the same bits, for
   # N-D rows and both weight layouts; double backward is refused.
-  from rlk_torch_bridge import _cpp_autograd
-  assert _cpp_autograd.load()
+  from rlk_torch_bridge import _cpp_extension
+  assert _cpp_extension.load()
   for a_shape, transpose_b in (((3, 100, 512), True), ((257, 512), False)):
     a = bf16(*a_shape)
     b = bf16(*((384, 512) if transpose_b else (512, 384)))
     g = bf16(*a_shape[:-1], 384)
     results = []
     for cpp in (True, False):
-      monkeypatch.setattr(_cpp_autograd, "_switch", [cpp])
+      monkeypatch.setattr(_cpp_extension, "_switch", [cpp])
       x, w = a.clone().requires_grad_(), b.clone().requires_grad_()
       out = rtb.det_gemm(x, w, transpose_b=transpose_b)
       assert ("DetMmSm90" in out.grad_fn.name()) == cpp, out.grad_fn.name()
@@ -252,7 +252,7 @@ def test_cpp_autograd_route_gives_the_python_routes_bits(monkeypatch):
       results.append((out, x.grad, w.grad))
     for name, u, v in zip(("out", "da", "db"), *results):
       assert same_bits(u, v), (a_shape, transpose_b, name)
-  monkeypatch.setattr(_cpp_autograd, "_switch", [True])
+  monkeypatch.setattr(_cpp_extension, "_switch", [True])
   x, w = bf16(16, 512, requires_grad=True), bf16(512, 64, requires_grad=True)
   out = rtb.det_gemm(x, w)
   g = torch.ones_like(out, requires_grad=True)
@@ -268,8 +268,8 @@ def test_row_kernel_rows_alone_equal_their_batch_on_every_route(
   # rlk::det_row_mean / det_row_sum on the cuda_ffi row kernel: through the
   # C++ extension and through ctypes the same bits; each row's bits its own
   # in any batch and any layout; the mean close to float64's.
-  from rlk_torch_bridge import _cpp_autograd, _row_mean_op
-  assert _row_mean_op._library_kernel() and _cpp_autograd.load()
+  from rlk_torch_bridge import _cpp_extension, _row_mean_op
+  assert _row_mean_op._library_kernel() and _cpp_extension.load()
   x = (torch.randn(37, k, device="cuda") * 3 + 1).to(dtype)
   for op, divisor in ((torch.ops.rlk.det_row_mean, k),
                       (torch.ops.rlk.det_row_sum, 1)):
@@ -342,15 +342,15 @@ def test_in_situ_trials_keep_every_calls_bits(tmp_path, monkeypatch):
   # trial keeps its fastest in the tuning cache with its times, and the C++
   # route then takes the product on the kept configs.
   from rlk_jax import _gemm_tuning
-  from rlk_torch_bridge import _cpp_autograd, _gemm_op, _in_situ
+  from rlk_torch_bridge import _gemm_op, _gemm_routes, _in_situ, _sm90
   monkeypatch.setattr(_gemm_tuning, "cache_path",
                       lambda device, build: tmp_path / "tuning.json")
 
   def forget():
     _gemm_tuning.clear_memo()
     _in_situ.clear()
-    for plans in (_cpp_autograd._PLANS, _cpp_autograd._PENDING,
-                  _gemm_op._PLANS):
+    for plans in (_sm90._PLANS, _sm90._PENDING, _gemm_op._PLANS,
+                  _gemm_routes._PLANS):
       plans.clear()
   forget()
   m, n, k = 8832, 3072, 2048  # 2 m n k = 1.1e11 >= MIN_FLOP
@@ -366,7 +366,7 @@ def test_in_situ_trials_keep_every_calls_bits(tmp_path, monkeypatch):
   steps = [step() for _ in range(2 * _in_situ.SAMPLES * 6)]
   torch.cuda.synchronize()
   steps += [step() for _ in range(2)]  # the trials read their times
-  products = _cpp_autograd._products(m, n, k, True, False)
+  products = _sm90._products(m, n, k, True, False)
   trials = [_in_situ._TRIALS[p] for p in products]
   assert all(t is not None and t.best in t.configs for t in trials)
   for got in steps:
@@ -376,8 +376,8 @@ def test_in_situ_trials_keep_every_calls_bits(tmp_path, monkeypatch):
                                      transpose_b=tb, out_f32=f32)
     assert entry["config"] == t.best
     assert set(entry["in_situ_ms"]) == set(t.configs)
-  assert _cpp_autograd.product(a, w, True, torch.bfloat16, None) is not None
-  assert not _cpp_autograd._PENDING
+  assert _gemm_op.cpp_run(a, w, True, torch.bfloat16, None) is not None
+  assert not _sm90._PENDING
   with torch.no_grad():
     assert same_bits(rtb.det_gemm(a, w, transpose_b=True), first[0])
   want = a.double() @ w.double().T

@@ -11,7 +11,7 @@
 //
 // Bits: the same kernels with the same configs as the Python route. A
 // product's config is the one the Python route planned for the shape
-// (remember_linear, from _cpp_autograd._plan): until it has, or for any call
+// (remember_linear, from _sm90._plan): until it has, or for any call
 // this file does not take (a bias, another dtype, a gradient to record, an
 // f32 product), the call goes to the kernel registered before this route,
 // which is the Python route's handler.

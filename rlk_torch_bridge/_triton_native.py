@@ -1,0 +1,29 @@
+"""det_gemm's Triton route from torch: the ``@triton.jit`` kernel JAX
+launches through jax-triton, launched by Triton itself on torch's current
+stream (one kernel source and specialization, so the same bits, and no
+DLPack)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_jax import _gemm_tuning
+from rlk_torch_bridge._checks import jax_dtype
+from triton_kernels import det_matmul
+
+
+def product(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
+            dtype: torch.dtype, out_dtype: torch.dtype):
+  """``product(a, b) -> op(a) @ op(b)`` for one signature (a and b 2-D, on
+  a's device), on the config rlk_jax's tuning names for it."""
+  config = _gemm_tuning.choose_pallas_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+      dtype=jax_dtype(dtype))
+
+  def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    det_matmul.matmul_torch(a.contiguous(), b.contiguous(), out,
+                            transpose_a=transpose_a, transpose_b=transpose_b,
+                            config=config)
+    return out
+  return run
