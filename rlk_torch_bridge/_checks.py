@@ -31,7 +31,7 @@ def torch_dtype(dtype) -> torch.dtype:
   raise TypeError(f"rlk_torch_bridge: no torch dtype for {dtype}.")
 
 
-_JAX_ON_GPU: list[bool] = []
+_JAX_STARTED: list[bool] = []
 
 
 def platform_of(t: torch.Tensor) -> str:
@@ -39,12 +39,16 @@ def platform_of(t: torch.Tensor) -> str:
   time, keeping torch's current device), else "cpu"."""
   if t.device.type != "cuda":
     return "cpu"
-  if not _JAX_ON_GPU:
-    _start_jax_keeping_torch_device()
+  start_jax()
   return "gpu"
 
 
-def _start_jax_keeping_torch_device() -> None:
+def start_jax() -> None:
+  """Starts JAX's backends (once), keeping torch's current CUDA device:
+  every bridge path that may be the first to ask JAX something calls this
+  first."""
+  if _JAX_STARTED or not torch.cuda.is_available():
+    return  # (on a machine without CUDA there is no torch device to keep)
   # JAX's GPU backend, started lazily by whatever first asks it something,
   # makes a context on every visible GPU and leaves the last one current:
   # in a process of a multi-GPU job (torchrun: one rank per GPU, every GPU
@@ -58,7 +62,7 @@ def _start_jax_keeping_torch_device() -> None:
     jax.devices()
   finally:
     torch.cuda.set_device(device)
-  _JAX_ON_GPU.append(True)
+  _JAX_STARTED.append(True)
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:

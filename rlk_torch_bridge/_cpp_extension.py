@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from rlk_torch_bridge._checks import start_jax
 
 ENV = "RLK_TORCH_CPP_AUTOGRAD"
 # The products with their autograd, the row kernel, the decoding route's
@@ -58,6 +59,7 @@ def load() -> bool:
   if _load.cache_info().currsize:  # asked on hot paths: settled, cheap
     return _load()
   import cuda_ffi
+  start_jax()  # the library's check asks JAX for its GPUs
   if cuda_ffi.unavailable_reason("gpu", wait=False) is not None:
     return False
   return _load()

@@ -18,7 +18,7 @@ import torch
 import cuda_ffi
 from rlk_torch_bridge import _packinfo
 from rlk_torch_bridge._checks import jax_dtype
-from rlk_torch_bridge._torch_stream import current_stream_handle
+from rlk_torch_bridge._torch_stream import current_stream_handle, on_device_of
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,6 +31,7 @@ def _info_plan(mask_shape: tuple, capacity: int):
           cuda_ffi.pack_info_scratch_bytes(math.prod(mask_shape)))
 
 
+@on_device_of
 def pack_from_mask(x: torch.Tensor, mask: torch.Tensor, capacity: int,
                    fill) -> tuple[torch.Tensor, torch.Tensor]:
   """``(packed [capacity, *tail], the PackInfo buffer)`` from the mask: the
@@ -78,6 +79,7 @@ def gather_rows(src: torch.Tensor, index_address: int, out_shape: tuple,
   return out
 
 
+@on_device_of
 def move(x: torch.Tensor, info: torch.Tensor, mask_shape: tuple,
          capacity: int, to_packed: bool, fill) -> torch.Tensor:
   """pack (``[*mask_shape, *tail]`` -> ``[capacity, *tail]``) or unpack with

@@ -35,6 +35,7 @@ import threading
 import jax
 import torch
 
+from rlk_torch_bridge._checks import start_jax
 from rlk_torch_bridge._torch_stream import current_stream_handle
 
 try:  # The entry points jax.dlpack is built on.
@@ -68,6 +69,7 @@ def _jax_device(device: torch.device):
   found = _state.jax_device.get(device)
   if found is None:
     if device.type == "cuda":
+      start_jax()
       # (a tensor's CUDA device always carries its index)
       found = next(d for d in jax.local_devices(backend="gpu")
                    if d.local_hardware_id == device.index)

@@ -24,6 +24,8 @@ import functools
 import torch
 
 from rlk_torch_bridge import _cpp_extension, _gemm_op, _library
+from rlk_torch_bridge._checks import start_jax
+from rlk_torch_bridge._torch_stream import on_device
 
 
 @functools.cache
@@ -37,6 +39,7 @@ def _library_kernel() -> bool:
   """Whether CUDA rows take the cuda_ffi library's kernel (an SM90 GPU with
   the library; the same condition as det_gemm's SM90 route)."""
   import cuda_ffi
+  start_jax()  # the library's check asks JAX for its GPUs
   return cuda_ffi.unavailable_reason("gpu") is None
 
 
@@ -51,7 +54,8 @@ def _on_rows(x, divisor: int, launch):
   rows = rows if rows.stride(-1) == 1 else rows.contiguous()
   out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
   if rows.shape[0]:
-    launch(rows, out, divisor)
+    with on_device(x.device.index):
+      launch(rows, out, divisor)
   return out.reshape(x.shape[:-1])
 
 

@@ -16,7 +16,6 @@ kernel that reads it ran.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -24,10 +23,7 @@ import torch
 import cuda_ffi
 from rlk_jax import _gemm_tuning
 from rlk_torch_bridge import _cpp_extension, _in_situ, _library
-from rlk_torch_bridge._torch_stream import current_stream_handle
-
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
+from rlk_torch_bridge._torch_stream import current_stream_handle, on_device
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
   # TMA reads from 16-byte aligned addresses; a view at an odd offset is
@@ -81,15 +77,6 @@ def planned_product(m: int, n: int, k: int, transpose_a: bool,
               for c in trial.configs}
   launch = lambda a, b, c: products[c](a, b)
   return lambda a, b: trial.run(launch, a, b)
-
-
-def on_device(index: int):
-  """A context in which `index` is the current CUDA device. The library
-  launches on the current device (what its TMA descriptors and SM count are
-  read for); switching costs a few us, so only when it is another."""
-  if _current_device() == index:
-    return contextlib.nullcontext()
-  return torch.cuda.device(index)
 
 
 # The C++ route (``rlk::det_mm_sm90``): a signature's plan, looked up by

@@ -10,6 +10,7 @@ import torch
 import cuda_ffi
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_rows
+from rlk_torch_bridge._torch_stream import on_device_of
 
 
 def takes(q, k, v, s) -> bool:
@@ -32,6 +33,7 @@ def _tma_aligned(*tensors) -> bool:
              and t.stride(-2) % 8 == 0 for t in tensors)
 
 
+@on_device_of
 def forward(q, k, v, seqs, s):
   """(out, lse) of the Hopper forward (the Triton forward's bits)."""
   from triton_kernels import attention as kernels
@@ -48,6 +50,7 @@ def forward(q, k, v, seqs, s):
   return out, lse
 
 
+@on_device_of
 def dkdv(q, k, v, seqs, lse, g, delta, dk, dv, s):
   """The Hopper dK/dV kernel (the Triton dK/dV kernel's bits) into dk, dv."""
   from triton_kernels import attention as kernels

@@ -27,8 +27,8 @@ import torch
 
 import cuda_ffi
 from rlk_jax import _linear_logp
-from rlk_torch_bridge import _gemm_routes, _sm90
-from rlk_torch_bridge._torch_stream import current_stream_handle
+from rlk_torch_bridge import _gemm_routes
+from rlk_torch_bridge._torch_stream import current_stream_handle, on_device_of
 
 
 def _product(a, b, transpose_a, transpose_b, out_dtype):
@@ -40,15 +40,6 @@ def _product(a, b, transpose_a, transpose_b, out_dtype):
 
 def _ptrs(*tensors):
   return [t.data_ptr() for t in tensors]
-
-
-def _on_device_of(fn):
-  """Runs `fn(hidden, ...)` with hidden's GPU as the current device: the
-  CUDA entries launch on the current device."""
-  def run(hidden, *args):
-    with _sm90.on_device(hidden.device.index):
-      return fn(hidden, *args)
-  return run
 
 
 def _int32(targets):
@@ -67,7 +58,7 @@ def _chunks(v: int, chunk_size: int):
 
 
 
-@_on_device_of
+@on_device_of
 def forward(hidden, weight, targets, temps, chunk_size: int,
             with_entropy: bool):
   """``(logp, entropy, lse)``, f32 ``[N]`` each: hidden ``[N, H]`` bf16,
@@ -100,7 +91,7 @@ def forward(hidden, weight, targets, temps, chunk_size: int,
   return logp, entropy, lse
 
 
-@_on_device_of
+@on_device_of
 def backward(hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy,
              chunk_size: int, with_entropy: bool, dw_accumulator=None):
   """``(d hidden [N, H], d weight [V, H])``: rlk_jax's VJP

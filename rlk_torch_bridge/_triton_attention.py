@@ -9,8 +9,10 @@ import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_rows
+from rlk_torch_bridge._torch_stream import on_device_of
 
 
+@on_device_of
 def forward(q, k, v, seqs, s, heads_per_tile, split_chunks, page=0):
   """(out, lse); rows in no sequence are left unwritten."""
   from triton_kernels import attention as kernels
@@ -30,6 +32,7 @@ def forward(q, k, v, seqs, s, heads_per_tile, split_chunks, page=0):
   return out, lse
 
 
+@on_device_of
 def backward(q, k, v, seqs, out, lse, g, s, hopper_dkdv=None):
   """(dq, dk, dv), zero in rows outside every sequence. With `hopper_dkdv`
   (``_sm90_attention.dkdv``: the Triton dK/dV kernel's bits) dK and dV come

@@ -9,6 +9,7 @@ import torch
 
 from rlk_jax import _gemm_tuning
 from rlk_torch_bridge._checks import jax_dtype
+from rlk_torch_bridge._torch_stream import on_device_of
 from triton_kernels import det_matmul
 
 
@@ -20,6 +21,7 @@ def product(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
       m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
       dtype=jax_dtype(dtype))
 
+  @on_device_of
   def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     det_matmul.matmul_torch(a.contiguous(), b.contiguous(), out,
