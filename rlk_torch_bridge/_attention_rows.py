@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from rlk_torch_bridge._torch_stream import on_device_of
+
+@on_device_of
 def tile_map(lengths, rows_per_tile, n_tiles):
   """rlk_jax._attention._tile_map in torch (the same ints): on CUDA one
   Triton kernel, elsewhere (and for very many sequences) torch's ops."""
@@ -83,6 +86,7 @@ def in_place(k) -> bool:
   return k.ndim == 4
 
 
+@on_device_of
 def fill_outside(x, starts, lengths, n_rows, value):
   """x's rows in no sequence ([starts, starts + lengths)) set to `value`,
   in place; x is rows ([T, H, D] or [T, H]) or [B, S, H, D] read in place

@@ -30,6 +30,7 @@ import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_op, _attention_rows, _library
+from rlk_torch_bridge._torch_stream import on_device
 
 
 @functools.cache
@@ -122,7 +123,8 @@ class Step:
     which nobody reads, goes to one buffer, reused in stream order)."""
     b, n, hq, d = self._shape
     out = torch.empty((b * n, hq, d), dtype=query.dtype, device=query.device)
-    self._launch(self._rows(query), key, value, out, self._lse)
+    with on_device(query.device.index):  # Triton launches on the current one
+      self._launch(self._rows(query), key, value, out, self._lse)
     out = out.view(b, n, hq, d)
     return out if self._unfit is None else out.masked_fill_(self._unfit,
                                                              float("nan"))

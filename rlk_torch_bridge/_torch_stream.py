@@ -32,7 +32,7 @@ def on_device(index: int):
   in a process that sees several GPUs it need not be the tensors' (JAX's
   start, another library, the caller may have moved it). Switching costs a
   few us, so only when it is another."""
-  if _current_device() == index:
+  if index is None or _current_device() == index:  # (None: not a GPU's)
     return contextlib.nullcontext()
   return torch.cuda.device(index)
 
