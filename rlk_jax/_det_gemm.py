@@ -251,8 +251,17 @@ def _partitioned_tree(impl, transpose_a, transpose_b, out_dtype, chunks):
       local, transpose_a, transpose_b, chunks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, a, b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, k_axis,
+                 n_axis, a, b):
+  if k_axis is not None:
+    # Inside shard_map, this device's operands hold its slice of K over
+    # `k_axis`: its neighbouring subtree, then the tree's top across the
+    # axis in rank order.
+    ranks = jax.lax.axis_size(k_axis)
+    partial = _subtree(impl, transpose_a, transpose_b, chunks // ranks, a, b)
+    return _tree_reduction.finish_across(partial, k_axis, ranks,
+                                         invariant=True).astype(out_dtype)
   if _sharding.multi_device():  # a K sharded over a divisor of C stays so
     return _partitioned_tree(impl, transpose_a, transpose_b, out_dtype,
                              chunks)(a, b)
@@ -260,18 +269,20 @@ def _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, a, b):
                   b).astype(out_dtype)
 
 
-def _tree_matmul_fwd(impl, transpose_a, transpose_b, out_dtype, chunks, a, b):
-  return _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks, a,
-                      b), (a, b)
+def _tree_matmul_fwd(impl, transpose_a, transpose_b, out_dtype, chunks, k_axis,
+                     n_axis, a, b):
+  return _tree_matmul(impl, transpose_a, transpose_b, out_dtype, chunks,
+                      k_axis, n_axis, a, b), (a, b)
 
 
-def _tree_matmul_bwd(impl, transpose_a, transpose_b, out_dtype, chunks,
-                     residuals, g):
+def _tree_matmul_bwd(impl, transpose_a, transpose_b, out_dtype, chunks, k_axis,
+                     n_axis, residuals, g):
   # _matmul_bwd's products, with da's (a reduction over N, which a
-  # column-parallel layer splits) cut into chunks too; db reduces over rows,
-  # the data-parallel dimension: the default product.
+  # column-parallel layer splits: over `n_axis` inside shard_map) cut into
+  # chunks too; db reduces over rows, the data-parallel dimension: the
+  # default product.
   def da_product(ta, tb, dtype, x, y):
-    return _tree_matmul(impl, ta, tb, dtype, chunks, x, y)
+    return _tree_matmul(impl, ta, tb, dtype, chunks, n_axis, k_axis, x, y)
   return _vjp_products(da_product, functools.partial(_matmul, impl),
                        transpose_a, transpose_b, *residuals, g)
 
@@ -281,7 +292,8 @@ _tree_matmul.defvjp(_tree_matmul_fwd, _tree_matmul_bwd)
 
 def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
              transpose_b: bool = False,
-             reduction_chunks: int | None = None) -> jax.Array:
+             reduction_chunks: int | None = None,
+             k_axis_name=None, n_axis_name=None) -> jax.Array:
   """Batch-invariant ``a [..., K] @ b [K, N]`` with f32 accumulation.
 
   Args:
@@ -303,17 +315,61 @@ def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
       reduction dimension sharded over a divisor of C stays sharded (no
       gather of the weight) and the devices finish the tree in rank order.
       Rows stay invariant; the bits differ from the default order's.
+    k_axis_name, n_axis_name: inside ``shard_map``, with
+      ``reduction_chunks``: the mesh axis over which each device's `b`
+      holds a slice of K (a row-parallel layer: `a` holds the same slice of
+      its features) or of N (a column-parallel layer). The device sums its
+      neighbouring subtree and an ``all_gather`` of the f32 roots finishes
+      the tree in rank order: the result (and, for N, the input gradient)
+      is whole on every device, with the bits of one device holding the
+      whole weight. The axis's size must divide C.
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
-  call = plan(a, b, out_dtype=out_dtype, implementation=implementation,
+  ranks_k, ranks_n = _axis_ranks(k_axis_name, n_axis_name, reduction_chunks)
+  # Checked and planned as the whole product, which each device's is a
+  # slice of (the chunks' sizes, and so the implementation, are the same).
+  n_local, k_local = b.shape if transpose_b else b.shape[::-1]
+  whole_b = (n_local * ranks_n, k_local * ranks_k)
+  call = plan(jax.ShapeDtypeStruct((*a.shape[:-1], a.shape[-1] * ranks_k),
+                                   a.dtype),
+              jax.ShapeDtypeStruct(whole_b if transpose_b else whole_b[::-1],
+                                   b.dtype),
+              out_dtype=out_dtype, implementation=implementation,
               transpose_b=transpose_b, reduction_chunks=reduction_chunks)
-  a2 = a.reshape(call.m, call.k)
+  a2 = a.reshape(call.m, k_local)
   if reduction_chunks is None:
     c = _matmul(call.implementation, False, transpose_b, call.out_dtype, a2, b)
   else:
     c = _tree_matmul(call.implementation, False, transpose_b, call.out_dtype,
-                     reduction_chunks, a2, b)
-  return c.reshape(*a.shape[:-1], call.n)
+                     reduction_chunks, k_axis_name, n_axis_name, a2, b)
+  return c.reshape(*a.shape[:-1], n_local)
+
+
+def _axis_ranks(k_axis_name, n_axis_name, chunks) -> tuple[int, int]:
+  """How many devices split K and N (1 where no axis is named)."""
+  if (k_axis_name, n_axis_name) == (None, None):
+    return 1, 1
+  if chunks is None:
+    raise ValueError("rlk_jax.det_gemm: k_axis_name and n_axis_name name the "
+                     "axes of the tensor-parallel mode: pass reduction_chunks "
+                     "too.")
+  if k_axis_name is not None and k_axis_name == n_axis_name:
+    raise ValueError(f"rlk_jax.det_gemm: K and N cannot both be split over "
+                     f"axis {k_axis_name!r}.")
+  ranks = []
+  for what, name in (("k_axis_name", k_axis_name), ("n_axis_name", n_axis_name)):
+    if name is None:
+      ranks.append(1)
+      continue
+    try:
+      size = jax.lax.axis_size(name)
+    except NameError as e:
+      raise ValueError(f"rlk_jax.det_gemm: {what}={name!r} names no axis "
+                       "here: it is for calls inside shard_map (under jit "
+                       "with a mesh the sharding alone says the split).") from e
+    _tree_reduction.check_ranks(chunks, size, f"rlk_jax.det_gemm ({what})")
+    ranks.append(size)
+  return tuple(ranks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,15 +90,33 @@ def check_ranks(chunks: int, ranks: int, what: str):
                      f"number of ranks must divide it (so at most {chunks}).")
 
 
-def finish_across(partial, axis_name, ranks: int):
+def finish_across(partial, axis_name, ranks: int, invariant: bool = False):
   """The tree's top levels across the `ranks` devices of `axis_name`, each
   holding the root of its neighbouring subtree: gathered in rank order (not
   an all-reduce, whose order is the collective's own) and summed in the same
-  tree on every device."""
-  if ranks == 1:
+  tree on every device. `invariant` (inside ``shard_map``): the result is
+  typed as the same on every device of the axis, which it is, so a checked
+  ``shard_map`` may return it whole (``out_specs`` without the axis)."""
+  if ranks == 1 and not invariant:  # (invariant: one device's is typed so)
     return partial
-  roots = jax.lax.all_gather(partial, axis_name)
+  gather = _all_gather_invariant() if invariant else jax.lax.all_gather
+  roots = gather(partial, axis_name)
   return tree_sum(roots[r] for r in range(ranks))
+
+
+def _all_gather_invariant():
+  # JAX types an all_gather's result as varying over the axis;
+  # all_gather_invariant (not yet exported by jax.lax in 0.10-0.11) types it
+  # as what it is. Where neither exists, all_gather (then a checked
+  # shard_map must return the result with the axis in its out_specs).
+  found = getattr(jax.lax, "all_gather_invariant", None)
+  if found is None:
+    try:
+      from jax._src.lax import parallel
+      found = getattr(parallel, "all_gather_invariant", None)
+    except ImportError:
+      found = None
+  return found or jax.lax.all_gather
 
 
 def finish_stats_across(stats, axis_name, ranks: int):

@@ -113,6 +113,71 @@ def test_a_degree_that_cannot_hold_whole_subtrees_is_gathered(rng):
   assert any(s.startswith("f32[24,64]") for s in gathered), gathered
 
 
+# Inside shard_map the caller names the axis each device's weight is split
+# over: K (a row-parallel layer: its input's features split alike) or N (a
+# column-parallel one). rlk's kernels take no varying-axis types yet, so a
+# shard_map over them is unchecked (check_vma=False); the XLA reference runs
+# in a checked one, whose output is typed whole (out_specs without "tp").
+SHARD_MAP_LAYOUTS = {
+    "row_parallel": dict(axis="k_axis_name", x=P(None, "tp"),
+                         w=P(None, "tp"), g=P(), y=P(), dx=P(None, "tp"),
+                         dw=P(None, "tp")),
+    "column_parallel": dict(axis="n_axis_name", x=P(), w=P("tp", None),
+                            g=P(None, "tp"), y=P(None, "tp"), dx=P(),
+                            dw=P("tp", None)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", sorted(SHARD_MAP_LAYOUTS))
+def test_shard_map_with_named_axes_gives_one_devices_bits(impl, layout, rng):
+  spec = SHARD_MAP_LAYOUTS[layout]
+  m, k, n = 24, 256, 64
+  dtype = operand_dtype(impl)
+  x = random_array(rng, (m, k), dtype)
+  w = random_array(rng, (n, k), dtype)
+  g = random_array(rng, (m, n), dtype)
+  want = layer(impl)(single(x), single(w), single(g))
+
+  def body(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: rlk_jax.det_gemm(
+        x, w, transpose_b=True, implementation=impl, reduction_chunks=CHUNKS,
+        **{spec["axis"]: "tp"}), x, w)
+    return (y, *vjp(g))
+
+  for t in DEGREES:
+    mesh = tp_mesh(t)
+    step = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(spec["x"], spec["w"], spec["g"]),
+        out_specs=(spec["y"], spec["dx"], spec["dw"]),
+        check_vma=impl == "xla"))
+    got = step(x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+      assert_bitwise_equal(a, b, f"shard_map {layout}, {t} devices: {name}")
+    hlo = step.lower(x, w, g).compile().as_text()
+    assert "all-reduce" not in hlo
+    assert not any(s.split("{")[0].endswith(f"[{n},{k}]")
+                   for s in gathered_shapes(hlo))
+
+
+def test_named_axes_are_checked(rng):
+  x = random_array(rng, (8, 64), jnp.float32)
+  w = random_array(rng, (16, 64), jnp.float32)
+  with pytest.raises(ValueError, match="k_axis_name='tp' names no axis"):
+    rlk_jax.det_gemm(x, w, transpose_b=True, reduction_chunks=8,
+                     k_axis_name="tp")
+  with pytest.raises(ValueError, match="pass reduction_chunks"):
+    rlk_jax.det_gemm(x, w, transpose_b=True, k_axis_name="tp")
+  if DEVICES < 4:
+    return
+  mesh = tp_mesh(4)
+  body = lambda x, w: rlk_jax.det_gemm(x, w, transpose_b=True,
+                                       reduction_chunks=2, k_axis_name="tp")
+  with pytest.raises(ValueError, match="4 ranks cannot each hold"):
+    jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
+                  out_specs=P())(x, w)
+
+
 # linear_logp's vocabulary-parallel mode: the weight's V split over the
 # devices. Kernels only: on the CPU the XLA reference's pick of the target's
 # log-prob rounds differently in some programs (found 2026-11-28: one row in
