@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from rlk_torch_bridge import _cpp_extension
+from rlk_torch_bridge import _cpp_extension, _row_routes
 
 _ENTRY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "mean.dim",
           "scaled_dot_product_attention")
@@ -48,12 +48,11 @@ _KEYS = {"Autograd": _ENTRY, "": _BELOW_AUTOGRAD}
 def _cpp_route(products) -> bool:
   """Whether the C++ kernels go on top: the mode's default implementation
   (the one whose plans they replay) on a GPU where the row kernel is the
-  cuda_ffi library's (the one they launch; ``_row_mean_op``)."""
+  cuda_ffi library's (the one they launch; ``_row_routes``)."""
   if (products.implementation is not None or not _cpp_extension.enabled()
       or not torch.cuda.is_available()):
     return False
-  from rlk_torch_bridge import _row_mean_op
-  return _row_mean_op._library_kernel() and _cpp_extension.load()
+  return _row_routes.library_kernel() and _cpp_extension.load()
 
 
 def _handler_name(op: str) -> str:

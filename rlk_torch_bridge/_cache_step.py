@@ -29,14 +29,9 @@ import math
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _attention_rows, _library
+from rlk_torch_bridge import (_attention_op, _attention_rows, _library,
+                              _row_routes)
 from rlk_torch_bridge._torch_stream import on_device
-
-
-@functools.cache
-def _triton_importable() -> bool:
-  from triton_kernels.backend import triton
-  return triton is not None
 
 
 def eligible(query, key, value, implementation) -> bool:
@@ -48,7 +43,7 @@ def eligible(query, key, value, implementation) -> bool:
     return False
   return (_attention_op.readable_in_place(
       key.transpose(1, 2), value.transpose(1, 2), implementation)
-          and _triton_importable())
+          and _row_routes.triton_importable())
 
 
 def sequence_table(key, n: int, kv_start, kv_lens) -> torch.Tensor:

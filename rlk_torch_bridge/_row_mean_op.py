@@ -19,69 +19,16 @@ uses one of them on a given device.)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from rlk_torch_bridge import _cpp_extension, _gemm_op, _library
-from rlk_torch_bridge._checks import start_jax
-from rlk_torch_bridge._torch_stream import on_device
-
-
-@functools.cache
-def _triton_importable() -> bool:
-  from triton_kernels.backend import triton
-  return triton is not None
-
-
-@functools.cache
-def _library_kernel() -> bool:
-  """Whether CUDA rows take the cuda_ffi library's kernel (an SM90 GPU with
-  the library; the same condition as det_gemm's SM90 route)."""
-  import cuda_ffi
-  start_jax()  # the library's check asks JAX for its GPUs
-  return cuda_ffi.unavailable_reason("gpu") is None
-
-
-def _on_row_kernel(x: torch.Tensor) -> bool:
-  return x.is_cuda and _triton_importable()
-
-
-def _on_rows(x, divisor: int, launch):
-  """A row kernel (``launch(rows, out, divisor)``) over x's rows: out in
-  x's dtype, shape x.shape[:-1]."""
-  rows = x.reshape(-1, x.shape[-1])
-  rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-  out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
-  if rows.shape[0]:
-    with on_device(x.device.index):
-      launch(rows, out, divisor)
-  return out.reshape(x.shape[:-1])
-
-
-def _library_launch(rows, out, divisor):
-  import cuda_ffi
-  with torch.cuda.device(rows.device):
-    cuda_ffi.launch_row_reduce(
-        torch.cuda.current_stream().cuda_stream, rows.data_ptr(),
-        out.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
-        float(divisor), str(rows.dtype).removeprefix("torch."))
-
-
-def _through_ctypes(x, divisor: int):
-  """The cuda_ffi row kernel through ctypes (where the C++ extension does
-  not load)."""
-  return _on_rows(x, divisor, _library_launch)
+from rlk_torch_bridge import _gemm_op, _library, _row_routes
 
 
 def _reduce(x, divisor: int):
-  if x.is_cuda and _library_kernel():
-    if _cpp_extension.enabled() and _cpp_extension.load():
-      return torch.ops.rlk.row_reduce_sm90(x, float(divisor))
-    return _through_ctypes(x, divisor)
-  if _on_row_kernel(x):
-    from triton_kernels.row_sum import row_mean_torch
-    return _on_rows(x, divisor, row_mean_torch)
+  if x.is_cuda and _row_routes.library_kernel():
+    return _row_routes.library(x, divisor)
+  if x.is_cuda and _row_routes.triton_importable():
+    return _row_routes.triton(x, divisor)
   k = x.shape[-1]
   ones = torch.ones(k, 1, dtype=x.dtype, device=x.device)
   total = _gemm_op.det_mm(x.reshape(-1, k), ones, False, torch.float32,

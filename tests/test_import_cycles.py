@@ -187,7 +187,8 @@ BRIDGE_LAYERS = (
     ("_gemm_op", "_tree_gemm", "_logp_op", "_pack_op", "_attention_op",
      "_cache_step", "_row_mean_op"),
     ("_gemm_routes", "_sm90", "_sm90_logp", "_sm90_attention",
-     "_triton_native", "_triton_attention", "_attention_rows", "_cuda_pack",
+     "_triton_native", "_triton_attention", "_attention_rows", "_row_routes",
+     "_cuda_pack",
      "_packinfo", "_cpp_extension", "_in_situ", "_dlpack"),
     ("_library", "_checks", "_torch_stream"),
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cuda_ffi
-from rlk_torch_bridge import _checks, _cpp_extension, _dlpack, _row_mean_op
+from rlk_torch_bridge import _checks, _cpp_extension, _dlpack, _row_routes
 
 
 @pytest.fixture
@@ -39,11 +39,11 @@ def jax_moves_the_device(monkeypatch):
 
 
 def _row_kernel_check():
-  _row_mean_op._library_kernel.cache_clear()
+  _row_routes.library_kernel.cache_clear()
   try:
-    _row_mean_op._library_kernel()
+    _row_routes.library_kernel()
   finally:
-    _row_mean_op._library_kernel.cache_clear()
+    _row_routes.library_kernel.cache_clear()
 
 
 def _extension_check():

@@ -268,14 +268,14 @@ def test_row_kernel_rows_alone_equal_their_batch_on_every_route(
   # rlk::det_row_mean / det_row_sum on the cuda_ffi row kernel: through the
   # C++ extension and through ctypes the same bits; each row's bits its own
   # in any batch and any layout; the mean close to float64's.
-  from rlk_torch_bridge import _cpp_extension, _row_mean_op
-  assert _row_mean_op._library_kernel() and _cpp_extension.load()
+  from rlk_torch_bridge import _cpp_extension, _row_routes
+  assert _row_routes.library_kernel() and _cpp_extension.load()
   x = (torch.randn(37, k, device="cuda") * 3 + 1).to(dtype)
   for op, divisor in ((torch.ops.rlk.det_row_mean, k),
                       (torch.ops.rlk.det_row_sum, 1)):
     full = op(x)
     assert full.shape == (37,) and full.dtype == dtype
-    assert same_bits(_row_mean_op._through_ctypes(x, divisor), full)
+    assert same_bits(_row_routes.through_ctypes(x, divisor), full)
     for rows in ((3, 4), (0, 37), (36, 37), (5, 22)):
       assert same_bits(op(x[rows[0]:rows[1]]), full[rows[0]:rows[1]]), rows
     # Rows as a strided view of a wider tensor, and in a 3-D batch.
