@@ -326,16 +326,21 @@ def det_gemm(a, b, *, out_dtype=None, implementation: str | None = None,
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
   ranks_k, ranks_n = _axis_ranks(k_axis_name, n_axis_name, reduction_chunks)
-  # Checked and planned as the whole product, which each device's is a
-  # slice of (the chunks' sizes, and so the implementation, are the same).
-  n_local, k_local = b.shape if transpose_b else b.shape[::-1]
-  whole_b = (n_local * ranks_n, k_local * ranks_k)
-  call = plan(jax.ShapeDtypeStruct((*a.shape[:-1], a.shape[-1] * ranks_k),
-                                   a.dtype),
-              jax.ShapeDtypeStruct(whole_b if transpose_b else whole_b[::-1],
-                                   b.dtype),
-              out_dtype=out_dtype, implementation=implementation,
-              transpose_b=transpose_b, reduction_chunks=reduction_chunks)
+  whole_a, whole_b = a, b
+  if (ranks_k, ranks_n) != (1, 1):
+    # Checked and planned as the whole product, which each device's is a
+    # slice of (the chunks' sizes, and so the implementation, are the same).
+    _check(a, b, transpose_b)
+    n_b, k_b = b.shape if transpose_b else b.shape[::-1]
+    shape_b = (n_b * ranks_n, k_b * ranks_k)
+    whole_a = jax.ShapeDtypeStruct((*a.shape[:-1], a.shape[-1] * ranks_k),
+                                   a.dtype)
+    whole_b = jax.ShapeDtypeStruct(
+        shape_b if transpose_b else shape_b[::-1], b.dtype)
+  call = plan(whole_a, whole_b, out_dtype=out_dtype,
+              implementation=implementation, transpose_b=transpose_b,
+              reduction_chunks=reduction_chunks)
+  n_local, k_local = call.n // ranks_n, call.k // ranks_k
   a2 = a.reshape(call.m, k_local)
   if reduction_chunks is None:
     c = _matmul(call.implementation, False, transpose_b, call.out_dtype, a2, b)
