@@ -204,10 +204,10 @@ def test_vocab_mode_accurate_against_float64(impl, rng):
   # The entropy term's x - E[x] cancels in f32; with E[x] combined over the
   # chunks (lse - entropy, each an f32 rounding) d hidden is about 10x less
   # accurate than the default mode's (31 seeds, 2026-11-28: median 2.1e-5,
-  # worst 1.08e-4; the default mode 2.2e-6 and 8.6e-6). A known gap (#50),
-  # bounded here rather than at the default mode's 5e-5.
+  # worst 1.08e-4; the default mode 2.2e-6 and 8.6e-6; d weight alike). A
+  # known gap (#50), bounded here rather than at the default mode's 5e-5.
   assert relative_error(dh, dlogits @ f64(weight).T) < 3e-4
-  assert relative_error(dw, f64(hidden).T @ dlogits) < 5e-5
+  assert relative_error(dw, f64(hidden).T @ dlogits) < 3e-4
 
 
 def test_vocab_mode_rows_invariant_ignored_and_bad_targets(rng):
