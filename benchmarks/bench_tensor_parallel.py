@@ -6,11 +6,15 @@ against the default order on one GPU). Per case, bf16, nn.Linear layout:
 
 * ``cublas+all_reduce``: the ordinary row-parallel layer, torch's
   ``F.linear`` on the local K slice and NCCL's all-reduce of the bf16 output;
-* ``det_gemm+all_reduce``: the same with rlk's default det_gemm (not
+* ``det_gemm[impl]+all_reduce``: the same with rlk's default det_gemm (not
   invariant across T: the all-reduce adds in NCCL's order);
-* ``row_parallel_mode``: ``RowParallelDetLinear`` (C = 8 chunks, each
-  rank's subtree in one kernel, the f32 roots all-gathered and summed in
-  the fixed tree): the same bits at every T.
+* ``row_parallel_mode[impl]``: ``RowParallelDetLinear`` (C = 8 chunks):
+  each rank's subtree (Triton: every chunk in one launch and the tree in a
+  second; other implementations: one product per chunk), the f32 roots
+  all-gathered and summed in the fixed tree: the same bits at every T.
+
+``--implementation`` picks det_gemm's implementation for both rlk rows
+(named in brackets; "auto" for rlk's own choice).
 
 Rank 0 appends rows (the harness's CSV columns) and prints a table. Times
 are medians over batches of back-to-back calls, CUDA events, after warm-up.
@@ -88,11 +92,13 @@ def main():
         dist.all_reduce(y)
       return y
 
+    route = args.implementation or "auto"
     with torch.no_grad():
       results = {"cublas+all_reduce": timed(ordinary),
-                 "det_gemm+all_reduce": timed(det_default),
-                 "row_parallel_mode": timed(lambda: layer(x))}
+                 f"det_gemm[{route}]+all_reduce": timed(det_default),
+                 f"row_parallel_mode[{route}]": timed(lambda: layer(x))}
     base = results["cublas+all_reduce"]
+    det = results[f"det_gemm[{route}]+all_reduce"]
     for impl, ms in results.items():
       rows.append(dict(
           date=datetime.date.today().isoformat(),
@@ -101,8 +107,7 @@ def main():
           benchmark="tensor_parallel", case=f"{name}_k{k}_n{n}_tp{world}",
           implementation=impl, median_ms=f"{ms:.4f}", floor_ms=f"{base:.4f}",
           ratio_to_floor=f"{ms / base:.3f}",
-          note=("vs det_gemm+all_reduce "
-                f"{ms / results['det_gemm+all_reduce']:.3f}x")))
+          note=f"vs det_gemm[{route}]+all_reduce {ms / det:.3f}x"))
   if rank == 0:
     new = not os.path.exists(args.csv)
     with open(args.csv, "a", newline="") as f:
@@ -111,7 +116,7 @@ def main():
         writer.writeheader()
       writer.writerows(rows)
     for r in rows:
-      print(f"{r['case']:<28} {r['implementation']:<22} {r['median_ms']:>9} ms"
+      print(f"{r['case']:<28} {r['implementation']:<30} {r['median_ms']:>9} ms"
             f"  {r['ratio_to_floor']}x cublas  {r['note']}")
   dist.destroy_process_group()
 

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from rlk_jax import _det_gemm, _tree_reduction
-from rlk_torch_bridge import _gemm_op, _library
+from rlk_torch_bridge import _gemm_op, _library, _triton_native
 from rlk_torch_bridge._checks import (check_same_device, check_tensor,
                                      jax_dtype, platform_of)
+from triton_kernels import det_matmul
 
 
 def ranks(group) -> int:
@@ -48,26 +49,42 @@ def _rows(x, c, size):
   return x[c * size:(c + 1) * size]
 
 
-def _subtree(a, b, transpose_b, chunks, impl):
-  """The f32 root of `chunks` neighbouring chunks of ``a [M, K] @ op(b)``:
-  K cut into equal chunks, each one det_mm."""
-  k = a.shape[1]
+_fused = {}
+
+
+def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
+  """The root of `chunks` neighbouring chunks of ``a [M, K] @ op(b)``, K cut
+  into equal chunks: in f32 (a rank's subtree, which others' roots join),
+  or rounded once to `out_dtype` (the whole tree)."""
+  (m, k), n = a.shape, b.shape[0] if transpose_b else b.shape[1]
+  if impl == "triton" and a.is_cuda and chunks <= det_matmul.MAX_CHUNKS:
+    # Triton's route walks every chunk in one launch and adds the tree in
+    # a second, where one det_mm per chunk costs a launch and a copy each.
+    key = (m, n, k, transpose_b, a.dtype, out_dtype, chunks)
+    if key not in _fused:
+      _fused[key] = _triton_native.chunked_product(
+          m, n, k, False, transpose_b, a.dtype, out_dtype, chunks)
+    return _fused[key](a, b)
   size = k // chunks
   b_chunk = _columns if transpose_b else _rows
   return _tree_reduction.tree_sum(
       _library.below_autograd(_gemm_op.OP, _columns(a, c, size),
                               b_chunk(b, c, size), False, transpose_b,
                               torch.float32, impl)
-      for c in range(chunks))
+      for c in range(chunks)).to(out_dtype)
 
 
-def _finish(partial, group):
-  """The tree's top levels across `group`: the ranks' roots in rank order."""
-  if ranks(group) == 1:
-    return partial
-  roots = [torch.empty_like(partial) for _ in range(ranks(group))]
+def _tree_product(a, b, transpose_b, chunks, impl, group, out_dtype):
+  """The whole tree of ``a @ op(b)`` whose reduction `group` splits: this
+  rank's subtree, then the tree's top levels across the ranks' roots, in
+  rank order."""
+  t = ranks(group)
+  if t == 1:
+    return _subtree(a, b, transpose_b, chunks, impl, out_dtype)
+  partial = _subtree(a, b, transpose_b, chunks // t, impl)
+  roots = [torch.empty_like(partial) for _ in range(t)]
   dist.all_gather(roots, partial.contiguous(), group=group)
-  return _tree_reduction.tree_sum(roots)
+  return _tree_reduction.tree_sum(roots).to(out_dtype)
 
 
 class TreeMm(torch.autograd.Function):
@@ -81,8 +98,7 @@ class TreeMm(torch.autograd.Function):
               n_group):
     ctx.save_for_backward(a, b)
     ctx.flags = (transpose_b, impl, chunks, n_group)
-    partial = _subtree(a, b, transpose_b, chunks // ranks(k_group), impl)
-    return _finish(partial, k_group).to(out_dtype)
+    return _tree_product(a, b, transpose_b, chunks, impl, k_group, out_dtype)
 
   @staticmethod
   @torch.autograd.function.once_differentiable
@@ -94,8 +110,8 @@ class TreeMm(torch.autograd.Function):
     if ctx.needs_input_grad[0]:
       # da = g @ op(b)^T: b [N, K] read as [K_bwd = N, K] or b [K, N] read
       # transposed; N cut into chunks.
-      partial = _subtree(g, b, not transpose_b, chunks // ranks(n_group), impl)
-      da = _finish(partial, n_group).to(a.dtype)
+      da = _tree_product(g, b, not transpose_b, chunks, impl, n_group,
+                         a.dtype)
     if ctx.needs_input_grad[1]:
       product = lambda x, y, ta, tb: _library.below_autograd(
           _gemm_op.OP, x, y, ta, tb, b.dtype, impl)

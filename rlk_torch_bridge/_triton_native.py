@@ -29,3 +29,25 @@ def product(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
                             config=config)
     return out
   return run
+
+
+def chunked_product(m: int, n: int, k: int, transpose_a: bool,
+                    transpose_b: bool, dtype: torch.dtype,
+                    out_dtype: torch.dtype, chunks: int):
+  """``run(a, b)``: the tensor-parallel mode's subtree of `chunks` equal K
+  chunks of ``op(a) @ op(b)`` (``_tree_reduction``'s order) in two launches,
+  every chunk's product then the tree, on the config rlk_jax's tuning names
+  for one chunk's product (the bits of one det_matmul per chunk)."""
+  config = _gemm_tuning.choose_pallas_config(
+      m, n, k // chunks, transpose_a=transpose_a, transpose_b=transpose_b,
+      dtype=jax_dtype(dtype))
+
+  @on_device_of
+  def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    det_matmul.chunked_matmul_torch(a.contiguous(), b.contiguous(), out,
+                                    transpose_a=transpose_a,
+                                    transpose_b=transpose_b, chunks=chunks,
+                                    config=config)
+    return out
+  return run

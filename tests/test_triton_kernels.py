@@ -96,6 +96,60 @@ def test_zero_padding_k_changes_no_bit(rng):
   assert torch.equal(got.view(torch.int32), padded.view(torch.int32))
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("transpose_a,transpose_b",
+                         [(False, False), (False, True), (True, False)])
+def test_chunked_product_is_the_chunks_tree_bitwise(chunks, transpose_a,
+                                                    transpose_b, rng):
+  # One launch for every chunk and one for the tree against the mode's
+  # definition: each K chunk det_matmul's own f32 product, added in
+  # _tree_reduction's tree. Ragged M and N; K a power of two.
+  from rlk_jax import _tree_reduction
+  m, n, k = 37, 50, 512
+  a, b, sa, sb = operands(rng, m, n, k, transpose_a, transpose_b,
+                          torch.bfloat16)
+  size = k // chunks
+  parts = []
+  for c in range(chunks):
+    a_c, b_c = a[:, c * size:(c + 1) * size], b[c * size:(c + 1) * size]
+    parts.append(run(a_c.T.contiguous() if transpose_a else a_c.contiguous(),
+                     b_c.T.contiguous() if transpose_b else b_c.contiguous(),
+                     m, n, transpose_a, transpose_b, SMALL))
+  root = _tree_reduction.tree_sum(parts)
+  out = {}
+  for out_dtype in (torch.float32, torch.bfloat16):
+    out[out_dtype] = torch.empty((m, n), dtype=out_dtype)
+    det_matmul.chunked_matmul_torch(sa, sb, out[out_dtype],
+                                    transpose_a=transpose_a,
+                                    transpose_b=transpose_b, chunks=chunks,
+                                    config=SMALL)
+  assert torch.equal(out[torch.float32].view(torch.int32),
+                     root.view(torch.int32))
+  # A bf16 result is the root rounded once. (The interpreter's f32 -> bf16
+  # conversion is its own, not torch's round-to-nearest-even: the GPU test
+  # holds the rounding to torch's.)
+  rounded = torch.empty((m, n), dtype=torch.bfloat16)
+  det_matmul._tree_finish_kernel[(1,)](root, rounded, m * n, CHUNKS=1,
+                                       BLOCK=4096)
+  assert torch.equal(out[torch.bfloat16].view(torch.int16),
+                     rounded.view(torch.int16))
+  if chunks > 2:  # the tree's order shows in the bits: a left fold differs
+    fold = parts[0]
+    for p in parts[1:]:
+      fold = fold + p
+    assert not torch.equal(fold, root)
+
+
+def test_chunked_product_names_a_bad_split(rng):
+  _, _, a, b = operands(rng, 8, 16, 96, False, False, torch.bfloat16)
+  out = torch.empty((8, 16))
+  for chunks in (3, 64, 32):
+    with pytest.raises(ValueError, match=f"chunks={chunks}.*K=96"):
+      det_matmul.chunked_matmul_torch(a, b, out, transpose_a=False,
+                                      transpose_b=False, chunks=chunks,
+                                      config=SMALL)
+
+
 def test_the_jax_route_says_why_it_is_unavailable_here():
   why = rlk_jax.implementations("det_gemm")["triton"]
   assert why is not None and "CUDA GPUs" in why

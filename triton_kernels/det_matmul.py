@@ -17,9 +17,13 @@ check the arithmetic).
 from __future__ import annotations
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import interpreted, triton, tl
+from triton_kernels.backend import Launcher, interpreted, triton, tl
 
-__all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product"]
+__all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product",
+           "chunked_matmul_torch", "MAX_CHUNKS"]
+
+# The tree finish below is written out for up to this many chunks.
+MAX_CHUNKS = 16
 
 
 def strides(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool):
@@ -110,6 +114,75 @@ if triton is not None:
              mask=row_in & col_in)
 
 
+  # The tensor-parallel-invariant mode (rlk_jax._tree_reduction gives the
+  # order): K cut into CHUNKS equal chunks, each an f32 product from a fresh
+  # accumulator, the partials added in one binary tree. One launch computes
+  # every chunk of every tile (the chunks are the grid's second axis: at
+  # decode sizes they are the parallelism a product of M=8 lacks), a second
+  # adds the partials. Each chunk's walk is `tile_product`'s, det_matmul's
+  # own, so a chunk has the bits of det_matmul on that slice of K.
+  @triton.jit
+  def _chunk_partials_kernel(a_ptr, b_ptr, w_ptr, M, N, K_CHUNK,
+                             stride_am, stride_ak, stride_bk, stride_bn,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             INTERPRETED: tl.constexpr = False):
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1).to(tl.int64)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = pid % per_group
+    tile_m = first_m + in_group % rows_in_group
+    tile_n = in_group // rows_in_group
+    rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    start = chunk * K_CHUNK
+    acc = tile_product(a_ptr + start * stride_ak, b_ptr + start * stride_bk,
+                       rm % M, rn % N, K_CHUNK, stride_am, stride_ak,
+                       stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       INTERPRETED)
+    w = w_ptr + chunk * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(w, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+  @triton.jit
+  def _pair(w_ptr, offs, mask, SIZE, FIRST: tl.constexpr, COUNT: tl.constexpr):
+    """The tree over partials FIRST .. FIRST + COUNT - 1 (COUNT a power of
+    two up to MAX_CHUNKS): neighbours first, the earlier on the left."""
+    if COUNT == 1:
+      s = tl.load(w_ptr + FIRST * SIZE + offs, mask=mask)
+    elif COUNT == 2:
+      s = (tl.load(w_ptr + FIRST * SIZE + offs, mask=mask)
+           + tl.load(w_ptr + (FIRST + 1) * SIZE + offs, mask=mask))
+    elif COUNT == 4:
+      s = (_pair(w_ptr, offs, mask, SIZE, FIRST, 2)
+           + _pair(w_ptr, offs, mask, SIZE, FIRST + 2, 2))
+    elif COUNT == 8:
+      s = (_pair(w_ptr, offs, mask, SIZE, FIRST, 4)
+           + _pair(w_ptr, offs, mask, SIZE, FIRST + 4, 4))
+    else:
+      tl.static_assert(COUNT == 16)
+      s = (_pair(w_ptr, offs, mask, SIZE, FIRST, 8)
+           + _pair(w_ptr, offs, mask, SIZE, FIRST + 8, 8))
+    return s
+
+  @triton.jit
+  def _tree_finish_kernel(w_ptr, out_ptr, SIZE, CHUNKS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    # 64-bit: the partials of a vocabulary-wide product pass 2**31.
+    s = _pair(w_ptr, offs, mask, tl.cast(SIZE, tl.int64), 0, CHUNKS)
+    tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=mask)
+
+  # Decode-sized calls wait on the host: Triton's own launch re-binds every
+  # argument each call.
+  _launch_partials = Launcher(_chunk_partials_kernel)
+  _launch_finish = Launcher(_tree_finish_kernel)
+
+
 def _grid(m, n, config):
   return (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
 
@@ -156,4 +229,35 @@ def matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool, config):
       a, b, out, m, n, k, *strides(m, n, k, transpose_a, transpose_b),
       num_warps=config.num_warps, num_stages=config.num_stages,
       INTERPRETED=interpreted(), **_meta(config))
+  return out
+
+
+_FINISH_BLOCK = 1024
+_FINISH_WARPS = 4
+
+
+def chunked_matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool,
+                         chunks: int, config):
+  """Writes the tree-summed ``op(a) @ op(b)`` of `chunks` equal K chunks
+  into `out` (``[M, N]`` contiguous, f32 for a subtree's root that other
+  ranks' roots will join, else the output dtype: one rounding of the root).
+  a and b contiguous in their stored layout; `config` tiles one chunk's
+  product ``[M, K / chunks]``."""
+  import torch
+  m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
+  if chunks < 1 or chunks & (chunks - 1) or chunks > MAX_CHUNKS or k % chunks:
+    raise ValueError(f"chunked_matmul_torch: chunks={chunks} must be a power "
+                     f"of two up to {MAX_CHUNKS} dividing K={k}.")
+  partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device)
+  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
+  meta = _meta(config)
+  _launch_partials(
+      (_grid(m, n, config)[0], chunks), (tuple(meta.items()),
+      config.num_warps, config.num_stages, interpreted()),
+      a, b, partials, m, n, k // chunks, am, ak, bk, bn,
+      num_warps=config.num_warps, num_stages=config.num_stages,
+      INTERPRETED=interpreted(), **meta)
+  _launch_finish((triton.cdiv(m * n, _FINISH_BLOCK),), (chunks,),
+                 partials, out, m * n, CHUNKS=chunks, BLOCK=_FINISH_BLOCK,
+                 num_warps=_FINISH_WARPS)
   return out
