@@ -14,15 +14,18 @@ of one process with the whole weight, and of rlk_jax's mode.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import torch
 import torch.distributed as dist
 
+import cuda_ffi
 from rlk_jax import _det_gemm, _tree_reduction
-from rlk_torch_bridge import _gemm_op, _library, _triton_native
+from rlk_torch_bridge import _gemm_op, _gemm_routes, _library, _triton_native
 from rlk_torch_bridge._checks import (check_same_device, check_tensor,
                                      jax_dtype, platform_of)
-from triton_kernels import det_matmul
+from triton_kernels import backend, det_matmul
 
 
 def ranks(group) -> int:
@@ -52,14 +55,31 @@ def _rows(x, c, size):
 _fused = {}
 
 
+# Up to this many rows the SM90 implementation's chunks also take the fused
+# Triton route: one product per chunk is a launch and two operand copies
+# each, and at decode sizes those, not the products, are the time (H200,
+# 2026-11-29: 8 chunks at M=8..512 took 0.57-0.65 ms a call one per chunk,
+# 0.11-0.20 fused; at M=4096 one per chunk was the faster). Every
+# implementation's chunks have one set of bits, so the choice changes none.
+_FUSED_MAX_ROWS_SM90 = 512
+
+
+def _fused_route(impl, m, chunks, a) -> bool:
+  """Whether Triton's fused launch computes the chunks: every chunk of every
+  tile in one launch (the chunks are the grid's second axis: the parallelism
+  a product of few rows lacks), the tree in a second."""
+  if not a.is_cuda or backend.IMPORT_ERROR or chunks > det_matmul.MAX_CHUNKS:
+    return False
+  return impl == "triton" or (impl == "cuda_ffi"
+                              and m <= _FUSED_MAX_ROWS_SM90)
+
+
 def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
   """The root of `chunks` neighbouring chunks of ``a [M, K] @ op(b)``, K cut
   into equal chunks: in f32 (a rank's subtree, which others' roots join),
   or rounded once to `out_dtype` (the whole tree)."""
   (m, k), n = a.shape, b.shape[0] if transpose_b else b.shape[1]
-  if impl == "triton" and a.is_cuda and chunks <= det_matmul.MAX_CHUNKS:
-    # Triton's route walks every chunk in one launch and adds the tree in
-    # a second, where one det_mm per chunk costs a launch and a copy each.
+  if _fused_route(impl, m, chunks, a):
     key = (m, n, k, transpose_b, a.dtype, out_dtype, chunks)
     if key not in _fused:
       _fused[key] = _triton_native.chunked_product(
@@ -120,6 +140,9 @@ class TreeMm(torch.autograd.Function):
     return da, db, None, None, None, None, None, None
 
 
+_PLANS: dict = {}
+
+
 def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
               k_group=None, n_group=None, whole_k=None, whole_n=None):
   """`a [..., K_local]` through `TreeMm`; `whole_k`/`whole_n`: the unsplit
@@ -127,20 +150,30 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
   check_tensor("det_gemm", "a", a)
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
+  key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, transpose_b,
+         implementation, chunks, ranks(k_group), ranks(n_group), whole_k,
+         whole_n, a.is_cuda, cuda_ffi.generation())
+  # The checks and the implementation choice are the signature's: worked
+  # out once (a decode step's layer waits on the host otherwise).
+  impl = _gemm_routes.cached(_PLANS, key, a, lambda: _plan_call(
+      a, b, transpose_b, out_dtype, implementation, chunks, ranks(k_group),
+      ranks(n_group), whole_k, whole_n))
+  lead = a.shape[:-1]
+  out = TreeMm.apply(a.reshape(-1, a.shape[-1]), b, transpose_b, out_dtype,
+                     impl, chunks, k_group, n_group)
+  return out.reshape(*lead, out.shape[-1])
+
+
+def _plan_call(a, b, transpose_b, out_dtype, implementation, chunks, k_ranks,
+               n_ranks, whole_k, whole_n) -> str:
   _tree_reduction.check_power_of_two(chunks, "rlk_torch_bridge.det_gemm")
   n_local, k_b = (b.shape if transpose_b else b.shape[::-1])
   if k_b != a.shape[-1]:
     raise ValueError(f"rlk_torch_bridge.det_gemm: inner dimensions differ: a "
                      f"has shape {tuple(a.shape)} and b {tuple(b.shape)} "
                      f"(transpose_b={transpose_b}).")
-  for name, group in (("K", k_group), ("N", n_group)):
-    _tree_reduction.check_ranks(chunks, ranks(group),
-                                f"rlk_torch_bridge ({name} split)")
-  lead = a.shape[:-1]
-  a2 = a.reshape(-1, a.shape[-1])
-  impl = plan(a2.shape[0], whole_k or k_b * ranks(k_group),
-              whole_n or n_local * ranks(n_group), transpose_b, a.dtype,
-              out_dtype, implementation, chunks, platform_of(a))
-  out = TreeMm.apply(a2, b, transpose_b, out_dtype, impl, chunks, k_group,
-                     n_group)
-  return out.reshape(*lead, n_local)
+  for name, t in (("K", k_ranks), ("N", n_ranks)):
+    _tree_reduction.check_ranks(chunks, t, f"rlk_torch_bridge ({name} split)")
+  return plan(math.prod(a.shape[:-1]), whole_k or k_b * k_ranks,
+              whole_n or n_local * n_ranks, transpose_b, a.dtype, out_dtype,
+              implementation, chunks, platform_of(a))
