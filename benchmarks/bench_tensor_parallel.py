@@ -17,7 +17,9 @@ against the default order on one GPU). Per case, bf16, nn.Linear layout:
 (named in brackets; "auto" for rlk's own choice).
 
 Rank 0 appends rows (the harness's CSV columns) and prints a table. Times
-are medians over batches of back-to-back calls, CUDA events, after warm-up.
+are medians over batches of back-to-back calls, CUDA events, after warm-up:
+``median_ms`` eager, ``kernel_ms`` the same call replayed from a CUDA graph
+(the device's time, as a graphed decode step pays it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,21 @@ def timed(fn, iters=20, batches=7):
   return statistics.median(samples)
 
 
+def graphed(fn):
+  """`fn` captured in a CUDA graph, replayed: the device's time for its
+  kernels (and collectives) without the eager host cost a decode step pays
+  per call outside a graph. None where capture fails."""
+  fn()
+  torch.cuda.synchronize()
+  graph = torch.cuda.CUDAGraph()
+  try:
+    with torch.cuda.graph(graph):
+      fn()
+  except RuntimeError:
+    return None
+  return graph.replay
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--csv", required=True)
@@ -93,10 +110,14 @@ def main():
       return y
 
     route = args.implementation or "auto"
+    calls = {"cublas+all_reduce": ordinary,
+             f"det_gemm[{route}]+all_reduce": det_default,
+             f"row_parallel_mode[{route}]": lambda: layer(x)}
     with torch.no_grad():
-      results = {"cublas+all_reduce": timed(ordinary),
-                 f"det_gemm[{route}]+all_reduce": timed(det_default),
-                 f"row_parallel_mode[{route}]": timed(lambda: layer(x))}
+      results = {name: timed(fn) for name, fn in calls.items()}
+      replays = {name: graphed(fn) for name, fn in calls.items()}
+      in_graph = {name: timed(replay) if replay else None
+                  for name, replay in replays.items()}
     base = results["cublas+all_reduce"]
     det = results[f"det_gemm[{route}]+all_reduce"]
     for impl, ms in results.items():
@@ -107,6 +128,7 @@ def main():
           benchmark="tensor_parallel", case=f"{name}_k{k}_n{n}_tp{world}",
           implementation=impl, median_ms=f"{ms:.4f}", floor_ms=f"{base:.4f}",
           ratio_to_floor=f"{ms / base:.3f}",
+          kernel_ms=(f"{in_graph[impl]:.4f}" if in_graph[impl] else ""),
           note=f"vs det_gemm[{route}]+all_reduce {ms / det:.3f}x"))
   if rank == 0:
     new = not os.path.exists(args.csv)
@@ -117,6 +139,7 @@ def main():
       writer.writerows(rows)
     for r in rows:
       print(f"{r['case']:<28} {r['implementation']:<30} {r['median_ms']:>9} ms"
+            f" (graphed {r['kernel_ms'] or '-':>7})"
             f"  {r['ratio_to_floor']}x cublas  {r['note']}")
   dist.destroy_process_group()
 

@@ -485,6 +485,25 @@ def choose_pallas_config(m: int, n: int, k: int, *, transpose_a: bool,
   return config or det_matmul.choose_config(m, n, dtype)
 
 
+def choose_chunked_config(m: int, n: int, k_chunk: int, *, transpose_a: bool,
+                          transpose_b: bool, dtype, device: str | None = None):
+  """The Triton tile config for the tensor-parallel mode's fused launch, in
+  which every K chunk of every tile is its own program: at decode sizes the
+  chunks already fill the SMs, so the tiles need not be narrow to spread a
+  weight's bytes (the rule's 64x32 there). 64x128 was the fastest or
+  within 10% of it at M = 1, 8 and 64 for Llama-3-8B's projections, C = 4
+  and 8 (H200, 2026-11-29, ``benchmarks/results/nvidia-h200-2026-11-29/``);
+  above, one chunk's product is tiled as any product. Every config gives the
+  same bits."""
+  import numpy as np
+  from pallas_kernels import det_matmul
+  if m <= 64 and np.dtype(dtype).itemsize == 2:
+    return det_matmul.NAMED_CONFIGS["64x128"]
+  return choose_pallas_config(m, n, k_chunk, transpose_a=transpose_a,
+                              transpose_b=transpose_b, dtype=dtype,
+                              device=device)
+
+
 def choose_mosaic_config(m: int, n: int, k: int, *, transpose_a: bool,
                          transpose_b: bool, device: str | None = None,
                          num_sms: int | None = None):

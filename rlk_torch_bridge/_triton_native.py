@@ -37,8 +37,8 @@ def chunked_product(m: int, n: int, k: int, transpose_a: bool,
   """``run(a, b)``: the tensor-parallel mode's subtree of `chunks` equal K
   chunks of ``op(a) @ op(b)`` (``_tree_reduction``'s order) in two launches,
   every chunk's product then the tree, on the config rlk_jax's tuning names
-  for one chunk's product (the bits of one det_matmul per chunk)."""
-  config = _gemm_tuning.choose_pallas_config(
+  for the fused launch (the bits of one det_matmul per chunk)."""
+  config = _gemm_tuning.choose_chunked_config(
       m, n, k // chunks, transpose_a=transpose_a, transpose_b=transpose_b,
       dtype=jax_dtype(dtype))
 
