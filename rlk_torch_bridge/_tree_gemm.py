@@ -159,8 +159,12 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
       a, b, transpose_b, out_dtype, implementation, chunks, ranks(k_group),
       ranks(n_group), whole_k, whole_n))
   lead = a.shape[:-1]
-  out = TreeMm.apply(a.reshape(-1, a.shape[-1]), b, transpose_b, out_dtype,
-                     impl, chunks, k_group, n_group)
+  a2 = a.reshape(-1, a.shape[-1])
+  if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+    out = TreeMm.apply(a2, b, transpose_b, out_dtype, impl, chunks, k_group,
+                       n_group)
+  else:  # (a rollout's decode step: no autograd node to build)
+    out = _tree_product(a2, b, transpose_b, chunks, impl, k_group, out_dtype)
   return out.reshape(*lead, out.shape[-1])
 
 
