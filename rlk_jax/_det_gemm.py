@@ -229,9 +229,42 @@ def _chunk(x, dim, index, size):
   return jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
 
 
+# Up to this many rows the SM90 implementation's chunks take Triton's fused
+# launch too (the torch bridge's rule, measured there: rlk_torch_bridge.
+# _tree_gemm); every implementation's chunks have one set of bits.
+FUSED_MAX_ROWS_SM90 = 512
+
+
+def fused_chunks(impl: str, m: int, chunks: int, platform: str) -> bool:
+  """Whether Triton's fused launch computes the mode's chunks: every chunk of
+  every tile in one launch (the chunks are the grid's second axis: the
+  parallelism a product of few rows lacks), the tree in a second, where one
+  product per chunk costs a launch each."""
+  if (platform != "gpu" or chunks > triton_det_matmul.MAX_CHUNKS
+      or triton_backend.unavailable_reason("gpu") is not None):
+    return False
+  return impl == "triton" or (impl == "cuda_ffi" and m <= FUSED_MAX_ROWS_SM90)
+
+
+def _fused_subtree(transpose_a, transpose_b, chunks, a, b):
+  def product(a, b):
+    m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
+                               a.dtype, jnp.float32)[:3]
+    config = _gemm_tuning.choose_chunked_config(
+        m, n, k // chunks, transpose_a=transpose_a, transpose_b=transpose_b,
+        dtype=a.dtype)
+    return triton_det_matmul.chunked_matmul(
+        a, b, transpose_a=transpose_a, transpose_b=transpose_b, chunks=chunks,
+        config=config)
+  return _one_product_per_batch_element(product)(a, b)
+
+
 def _subtree(impl, transpose_a, transpose_b, chunks, a, b):
   """The f32 root of the subtree of `chunks` chunks these operands hold (all
   of K, or one rank's neighbouring slice of it): each chunk one product."""
+  m = a.shape[1] if transpose_a else a.shape[0]
+  if fused_chunks(impl, m, chunks, _dispatch.current_platform()):
+    return _fused_subtree(transpose_a, transpose_b, chunks, a, b)
   fn = TABLE.implementations[impl].fn
   k = a.shape[0] if transpose_a else a.shape[1]
   size = k // chunks

@@ -159,6 +159,12 @@ def test_every_gpu_route_and_torch_give_one_set_of_bits(m, chunks, rng):
   for impl in impls[1:]:
     for name, a, b in zip(("y", "dx", "dw"), runs[impl], runs["triton"]):
       assert_bitwise_equal(a, b, f"{impl} vs triton: {name}")
+  # Under vmap each element is its own call (the fused launch has no
+  # batching rule of its own): the same bits.
+  batched = jax.vmap(functools.partial(
+      rlk_jax.det_gemm, transpose_b=True, implementation="triton",
+      reduction_chunks=chunks), in_axes=(0, None))(jnp.stack([x, x[::-1]]), w)
+  assert_bitwise_equal(batched[0], runs["triton"][0], "vmap")
   to_torch = lambda t: torch.from_dlpack(np.asarray(t.astype(jnp.float32))
                                          ).cuda().bfloat16()
   tx, tw = to_torch(x).requires_grad_(True), to_torch(w).requires_grad_(True)

@@ -20,7 +20,7 @@ from triton_kernels import jax_launch
 from triton_kernels.backend import Launcher, interpreted, triton, tl
 
 __all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product",
-           "chunked_matmul_torch", "MAX_CHUNKS"]
+           "chunked_matmul", "chunked_matmul_torch", "MAX_CHUNKS"]
 
 # The tree finish below is written out for up to this many chunks.
 MAX_CHUNKS = 16
@@ -236,6 +236,37 @@ _FINISH_BLOCK = 1024
 _FINISH_WARPS = 4
 
 
+def chunked_matmul(a, b, *, transpose_a: bool, transpose_b: bool, chunks: int,
+                   config):
+  """The f32 tree-summed ``op(a) @ op(b)`` of `chunks` equal K chunks for 2-D
+  JAX arrays through ``jax_launch.triton_call``: `chunked_matmul_torch`'s
+  two launches (every chunk's partial, then the tree)."""
+  import jax
+  import jax.numpy as jnp
+  m, n, k = _dims(a.shape, b.shape, transpose_a, transpose_b)
+  _check_chunks(chunks, k)
+  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
+  partials = jax_launch.triton_call(
+      a, b, kernel=_chunk_partials_kernel,
+      out_shape=jax.ShapeDtypeStruct((chunks, m, n), jnp.float32),
+      grid=(_grid(m, n, config)[0], chunks), num_warps=config.num_warps,
+      num_stages=config.num_stages, name="rlk_det_matmul_chunks_triton",
+      M=m, N=n, K_CHUNK=k // chunks, stride_am=am, stride_ak=ak,
+      stride_bk=bk, stride_bn=bn, **_meta(config))
+  return jax_launch.triton_call(
+      partials, kernel=_tree_finish_kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(triton.cdiv(m * n, _FINISH_BLOCK),), num_warps=_FINISH_WARPS,
+      num_stages=1, name="rlk_det_matmul_tree_triton", SIZE=m * n,
+      CHUNKS=chunks, BLOCK=_FINISH_BLOCK)
+
+
+def _check_chunks(chunks, k):
+  if chunks < 1 or chunks & (chunks - 1) or chunks > MAX_CHUNKS or k % chunks:
+    raise ValueError(f"det_matmul: chunks={chunks} must be a power of two up "
+                     f"to {MAX_CHUNKS} dividing K={k}.")
+
+
 def chunked_matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool,
                          chunks: int, config):
   """Writes the tree-summed ``op(a) @ op(b)`` of `chunks` equal K chunks
@@ -245,9 +276,7 @@ def chunked_matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool,
   product ``[M, K / chunks]``."""
   import torch
   m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
-  if chunks < 1 or chunks & (chunks - 1) or chunks > MAX_CHUNKS or k % chunks:
-    raise ValueError(f"chunked_matmul_torch: chunks={chunks} must be a power "
-                     f"of two up to {MAX_CHUNKS} dividing K={k}.")
+  _check_chunks(chunks, k)
   partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device)
   am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
   meta = _meta(config)
