@@ -491,8 +491,9 @@ def choose_chunked_config(m: int, n: int, k_chunk: int, *, transpose_a: bool,
   which every K chunk of every tile is its own program: at decode sizes the
   chunks already fill the SMs, so the tiles need not be narrow to spread a
   weight's bytes (the rule's 64x32 there). 64x128 was the fastest or
-  within 10% of it at M = 1, 8 and 64 for Llama-3-8B's projections, C = 4
-  and 8 (H200, 2026-11-29, ``benchmarks/results/nvidia-h200-2026-11-29/``);
+  within 6% of it at M = 1 and 8 for Llama-3-8B's projections, C = 4 and 8,
+  and within 21% at M=64 (H200, 2026-11-29, ``benchmarks/results/
+  nvidia-h200-2026-11-29/tensor_parallel_fused-e501131/``);
   above, one chunk's product is tiled as any product. Every config gives the
   same bits."""
   import numpy as np

@@ -55,23 +55,11 @@ def _rows(x, c, size):
 _fused = {}
 
 
-# Up to this many rows the SM90 implementation's chunks also take the fused
-# Triton route: one product per chunk is a launch and two operand copies
-# each, and at decode sizes those, not the products, are the time (H200,
-# 2026-11-29: 8 chunks at M=8..512 took 0.57-0.65 ms a call one per chunk,
-# 0.11-0.20 fused; at M=4096 one per chunk was the faster). Every
-# implementation's chunks have one set of bits, so the choice changes none.
-_FUSED_MAX_ROWS_SM90 = 512
-
-
 def _fused_route(impl, m, chunks, a) -> bool:
-  """Whether Triton's fused launch computes the chunks: every chunk of every
-  tile in one launch (the chunks are the grid's second axis: the parallelism
-  a product of few rows lacks), the tree in a second."""
-  if not a.is_cuda or backend.IMPORT_ERROR or chunks > det_matmul.MAX_CHUNKS:
-    return False
-  return impl == "triton" or (impl == "cuda_ffi"
-                              and m <= _FUSED_MAX_ROWS_SM90)
+  """rlk_jax's rule for Triton's fused launch of the chunks, where torch
+  can launch Triton."""
+  return (a.is_cuda and backend.IMPORT_ERROR is None
+          and _det_gemm.fused_chunks(impl, m, chunks))
 
 
 def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
@@ -81,10 +69,9 @@ def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
   (m, k), n = a.shape, b.shape[0] if transpose_b else b.shape[1]
   if _fused_route(impl, m, chunks, a):
     key = (m, n, k, transpose_b, a.dtype, out_dtype, chunks)
-    if key not in _fused:
-      _fused[key] = _triton_native.chunked_product(
-          m, n, k, False, transpose_b, a.dtype, out_dtype, chunks)
-    return _fused[key](a, b)
+    return _gemm_routes.cached(_fused, key, a, lambda: (
+        _triton_native.chunked_product(m, n, k, False, transpose_b, a.dtype,
+                                       out_dtype, chunks)))(a, b)
   size = k // chunks
   b_chunk = _columns if transpose_b else _rows
   return _tree_reduction.tree_sum(
