@@ -42,12 +42,15 @@ def chunked_product(m: int, n: int, k: int, transpose_a: bool,
       m, n, k // chunks, transpose_a=transpose_a, transpose_b=transpose_b,
       dtype=jax_dtype(dtype))
 
+  launch = det_matmul.chunked_matmul_plan(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+      chunks=chunks, config=config)
+
   @on_device_of
   def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    partials = torch.empty((chunks, m, n), dtype=torch.float32,
+                           device=a.device)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    det_matmul.chunked_matmul_torch(a.contiguous(), b.contiguous(), out,
-                                    transpose_a=transpose_a,
-                                    transpose_b=transpose_b, chunks=chunks,
-                                    config=config)
+    launch(a.contiguous(), b.contiguous(), partials, out)
     return out
   return run

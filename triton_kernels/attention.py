@@ -56,7 +56,7 @@ import functools
 import math
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import Launcher, interpreted, triton, tl
+from triton_kernels.backend import cdiv, interpreted, Launcher, tl, triton
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
@@ -827,7 +827,7 @@ def forward_jax(q, k, v, seqs, tiles, statics: Statics,
       part, ml, kernel=_fwd_combine_kernel,
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((tq, hq), "float32")),
-      grid=(triton.cdiv(tq * hq, _COMBINE_BLOCK), d // _COMBINE_BLOCK_D),
+      grid=(cdiv(tq * hq, _COMBINE_BLOCK), d // _COMBINE_BLOCK_D),
       num_warps=4, name="rlk_det_attention_fwd_combine", n_slots=tq * hq,
       n_chunks=split_chunks, HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
       BLOCK_D=_COMBINE_BLOCK_D)
@@ -891,9 +891,8 @@ class PreparedForward:
         (seqs.shape[1], tq, _paged_blocks(k, page), seqs.shape[0] - 4,
          *strides),
         num_warps=config.warps(True), num_stages=config.num_stages, **meta)
-    # (Not triton.cdiv: a JIT function, ~10 µs to call from the host.)
     self._combine = _launch_combine.prepared(
-        (-(-tq * hq // _COMBINE_BLOCK), d // _COMBINE_BLOCK_D), (d,),
+        (cdiv(tq * hq, _COMBINE_BLOCK), d // _COMBINE_BLOCK_D), (d,),
         (tq * hq, split_chunks), HEAD_DIM=d, BLOCK=_COMBINE_BLOCK,
         BLOCK_D=_COMBINE_BLOCK_D, num_warps=4)
 
@@ -933,7 +932,7 @@ def delta_jax(out, g):
   return jax_launch.triton_call(
       out, g, kernel=_bwd_delta_kernel,
       out_shape=jax.ShapeDtypeStruct((tq, hq), "float32"),
-      grid=(triton.cdiv(tq * hq, _DELTA_BLOCK),), num_warps=4,
+      grid=(cdiv(tq * hq, _DELTA_BLOCK),), num_warps=4,
       name="rlk_det_attention_bwd_delta", n_rows=tq * hq,
       stride_ot=hq * d, stride_oh=d, stride_dt=hq * d, stride_dh=d,
       n_heads=hq, HEAD_DIM=d, BLOCK=_DELTA_BLOCK)
@@ -987,7 +986,7 @@ def delta_torch(out, g):
   import torch
   tq, hq, d = out.shape
   delta = torch.empty((tq, hq), dtype=torch.float32, device=out.device)
-  _bwd_delta_kernel[(triton.cdiv(tq * hq, _DELTA_BLOCK),)](
+  _bwd_delta_kernel[(cdiv(tq * hq, _DELTA_BLOCK),)](
       out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
       BLOCK=_DELTA_BLOCK, num_warps=4)
   return delta
@@ -1037,7 +1036,7 @@ def tile_map_torch(lengths, rows_per_tile: int, n_tiles: int):
   out = torch.empty((2, n_tiles), dtype=torch.int32, device=lengths.device)
   block_s = max(16, triton.next_power_of_2(n))
   block_t = max(16, min(128, 16384 // block_s))
-  _tile_map_kernel[(triton.cdiv(n_tiles, block_t),)](
+  _tile_map_kernel[(cdiv(n_tiles, block_t),)](
       lengths, out, n, n_tiles, ROWS=rows_per_tile, BLOCK_S=block_s,
       BLOCK_T=block_t, num_warps=4)
   return out
@@ -1059,7 +1058,7 @@ def fill_outside_torch(x, starts, lengths, n_rows: int, value: float):
                     else (n_rows, n_rows))
   block_s = max(16, triton.next_power_of_2(starts.shape[0]))
   block_r = max(1, min(64, 8192 // block_s))
-  _fill_outside_kernel[(triton.cdiv(n_rows, block_r),)](
+  _fill_outside_kernel[(cdiv(n_rows, block_r),)](
       x, starts, lengths, starts.shape[0], n_rows, max(period, 1), tokens,
       stride_r, stride_h, heads * d, float(value), HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=block_s,
       BLOCK_C=min(1024, triton.next_power_of_2(heads * d)), num_warps=4)

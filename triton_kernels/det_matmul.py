@@ -17,10 +17,11 @@ check the arithmetic).
 from __future__ import annotations
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import Launcher, interpreted, triton, tl
+from triton_kernels.backend import cdiv, interpreted, Launcher, tl, triton
 
 __all__ = ["matmul", "matmul_torch", "mma_step", "strides", "tile_product",
-           "chunked_matmul", "chunked_matmul_torch", "MAX_CHUNKS"]
+           "chunked_matmul", "chunked_matmul_torch", "chunked_matmul_plan",
+           "MAX_CHUNKS"]
 
 # The tree finish below is written out for up to this many chunks.
 MAX_CHUNKS = 16
@@ -184,7 +185,7 @@ if triton is not None:
 
 
 def _grid(m, n, config):
-  return (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+  return (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
 
 
 def _meta(config):
@@ -256,7 +257,7 @@ def chunked_matmul(a, b, *, transpose_a: bool, transpose_b: bool, chunks: int,
   return jax_launch.triton_call(
       partials, kernel=_tree_finish_kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-      grid=(triton.cdiv(m * n, _FINISH_BLOCK),), num_warps=_FINISH_WARPS,
+      grid=(cdiv(m * n, _FINISH_BLOCK),), num_warps=_FINISH_WARPS,
       num_stages=1, name="rlk_det_matmul_tree_triton", SIZE=m * n,
       CHUNKS=chunks, BLOCK=_FINISH_BLOCK)
 
@@ -276,17 +277,32 @@ def chunked_matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool,
   product ``[M, K / chunks]``."""
   import torch
   m, n, k = _dims(tuple(a.shape), tuple(b.shape), transpose_a, transpose_b)
-  _check_chunks(chunks, k)
   partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device)
-  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
-  meta = _meta(config)
-  _launch_partials(
-      (_grid(m, n, config)[0], chunks), (tuple(meta.items()),
-      config.num_warps, config.num_stages, interpreted()),
-      a, b, partials, m, n, k // chunks, am, ak, bk, bn,
-      num_warps=config.num_warps, num_stages=config.num_stages,
-      INTERPRETED=interpreted(), **meta)
-  _launch_finish((triton.cdiv(m * n, _FINISH_BLOCK),), (chunks,),
-                 partials, out, m * n, CHUNKS=chunks, BLOCK=_FINISH_BLOCK,
-                 num_warps=_FINISH_WARPS)
+  chunked_matmul_plan(m, n, k, transpose_a=transpose_a,
+                      transpose_b=transpose_b, chunks=chunks,
+                      config=config)(a, b, partials, out)
   return out
+
+
+def chunked_matmul_plan(m: int, n: int, k: int, *, transpose_a: bool,
+                        transpose_b: bool, chunks: int, config):
+  """``run(a, b, partials, out)``: `chunked_matmul_torch` for one signature,
+  its launches prepared (grids, scalars and their specialisation worked out
+  once: a decode step's eager call is mostly host time). `partials`: f32
+  ``[chunks, M, N]`` scratch."""
+  _check_chunks(chunks, k)
+  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
+  meta = dict(_meta(config), INTERPRETED=interpreted())
+  partials_launch = _launch_partials.prepared(
+      (_grid(m, n, config)[0], chunks),
+      (tuple(meta.items()), config.num_warps, config.num_stages),
+      (m, n, k // chunks, am, ak, bk, bn), num_warps=config.num_warps,
+      num_stages=config.num_stages, **meta)
+  finish_launch = _launch_finish.prepared(
+      (cdiv(m * n, _FINISH_BLOCK),), (chunks,), (m * n,), CHUNKS=chunks,
+      BLOCK=_FINISH_BLOCK, num_warps=_FINISH_WARPS)
+
+  def run(a, b, partials, out):
+    partials_launch(a, b, partials)
+    finish_launch(partials, out)
+  return run

@@ -25,7 +25,7 @@ launcher, or its interpreter on CPU).
 from __future__ import annotations
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import interpreted, triton, tl
+from triton_kernels.backend import cdiv, interpreted, tl, triton
 from triton_kernels.det_matmul import tile_product
 
 __all__ = ["linear_logp", "update_stats", "linear_logp_torch",
@@ -140,7 +140,7 @@ if triton is not None:
 
 
 def _grid(n, config):
-  return (triton.cdiv(n, config.block_m),)
+  return (cdiv(n, config.block_m),)
 
 
 def linear_logp(hidden, weight, targets, temps, *, with_entropy: bool = True,

@@ -13,7 +13,7 @@ interpreter with ``TRITON_INTERPRET=1``, which the CPU tests use).
 from __future__ import annotations
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import triton, tl
+from triton_kernels.backend import cdiv, tl, triton
 
 __all__ = ["gather_rows", "gather_rows_torch"]
 
@@ -43,8 +43,8 @@ if triton is not None:
 
 
 def _grid(n_out, width, config):
-  return (triton.cdiv(n_out, config.block_rows),
-          triton.cdiv(width, config.block_cols))
+  return (cdiv(n_out, config.block_rows),
+          cdiv(width, config.block_cols))
 
 
 def gather_rows(src, idx, fill, *, config):
