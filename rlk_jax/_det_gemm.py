@@ -233,7 +233,7 @@ def _chunk(x, dim, index, size):
 # launch too: one product per chunk is a launch (and in torch two operand
 # copies) each, and at decode sizes those, not the products, are the time
 # (H200, 2026-11-29, benchmarks/results/nvidia-h200-2026-11-29/
-# tensor_parallel_fused-e501131/: 8 chunks at M=8..512 took 0.57-0.65 ms a
+# tensor_parallel_fused-8152c08/: 8 chunks at M=8..512 took 0.57-0.65 ms a
 # call one per chunk from torch, 0.11-0.20 fused; at M=4096 one per chunk
 # was the faster there). Every implementation's chunks have one set of bits,
 # so the choice changes none.
