@@ -229,25 +229,18 @@ def _chunk(x, dim, index, size):
   return jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
 
 
-# Up to this many rows the SM90 implementation's chunks take Triton's fused
-# launch too: one product per chunk is a launch (and in torch two operand
-# copies) each, and at decode sizes those, not the products, are the time
-# (H200, 2026-11-29, benchmarks/results/nvidia-h200-2026-11-29/
-# tensor_parallel_fused-8152c08/: 8 chunks at M=8..512 took 0.57-0.65 ms a
-# call one per chunk from torch, 0.11-0.20 fused; at M=4096 one per chunk
-# was the faster there). Every implementation's chunks have one set of bits,
-# so the choice changes none.
-FUSED_MAX_ROWS_SM90 = 512
-
-
-def fused_chunks(impl: str, m: int, chunks: int) -> bool:
+def fused_chunks(impl: str, chunks: int) -> bool:
   """Whether Triton's fused launch computes the mode's chunks (where Triton
   launches): every chunk of every tile in one launch (the chunks are the
   grid's second axis: the parallelism a product of few rows lacks), the tree
-  in a second."""
-  if chunks > triton_det_matmul.MAX_CHUNKS:
-    return False
-  return impl == "triton" or (impl == "cuda_ffi" and m <= FUSED_MAX_ROWS_SM90)
+  in a second. The SM90 implementation's chunks take it too: one CUTLASS
+  product per chunk was the slower at every M measured (H200, 2026-11-29,
+  benchmarks/results/nvidia-h200-2026-11-29/tensor_parallel_fused-d24b07b/:
+  M=8..4096, Llama-3-8B's down and o projections), and every
+  implementation's chunks have one set of bits, so the choice changes
+  none."""
+  return chunks <= triton_det_matmul.MAX_CHUNKS and impl in ("triton",
+                                                             "cuda_ffi")
 
 
 def _fused_subtree(transpose_a, transpose_b, chunks, a, b):
@@ -266,8 +259,7 @@ def _fused_subtree(transpose_a, transpose_b, chunks, a, b):
 def _subtree(impl, transpose_a, transpose_b, chunks, a, b):
   """The f32 root of the subtree of `chunks` chunks these operands hold (all
   of K, or one rank's neighbouring slice of it): each chunk one product."""
-  m = a.shape[1] if transpose_a else a.shape[0]
-  if (fused_chunks(impl, m, chunks) and _dispatch.current_platform() == "gpu"
+  if (fused_chunks(impl, chunks) and _dispatch.current_platform() == "gpu"
       and triton_backend.unavailable_reason("gpu") is None):
     return _fused_subtree(transpose_a, transpose_b, chunks, a, b)
   fn = TABLE.implementations[impl].fn

@@ -55,11 +55,11 @@ def _rows(x, c, size):
 _fused = {}
 
 
-def _fused_route(impl, m, chunks, a) -> bool:
+def _fused_route(impl, chunks, a) -> bool:
   """rlk_jax's rule for Triton's fused launch of the chunks, where torch
   can launch Triton."""
   return (a.is_cuda and backend.IMPORT_ERROR is None
-          and _det_gemm.fused_chunks(impl, m, chunks))
+          and _det_gemm.fused_chunks(impl, chunks))
 
 
 def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
@@ -67,7 +67,7 @@ def _subtree(a, b, transpose_b, chunks, impl, out_dtype=torch.float32):
   into equal chunks: in f32 (a rank's subtree, which others' roots join),
   or rounded once to `out_dtype` (the whole tree)."""
   (m, k), n = a.shape, b.shape[0] if transpose_b else b.shape[1]
-  if _fused_route(impl, m, chunks, a):
+  if _fused_route(impl, chunks, a):
     key = (m, n, k, transpose_b, a.dtype, out_dtype, chunks)
     return _gemm_routes.cached(_fused, key, a, lambda: (
         _triton_native.chunked_product(m, n, k, False, transpose_b, a.dtype,
