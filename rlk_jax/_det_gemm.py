@@ -234,9 +234,10 @@ def fused_chunks(impl: str, chunks: int) -> bool:
   launches): every chunk of every tile in one launch (the chunks are the
   grid's second axis: the parallelism a product of few rows lacks), the tree
   in a second. The SM90 implementation's chunks take it too: one CUTLASS
-  product per chunk was the slower at every M measured (H200, 2026-11-29,
-  benchmarks/results/nvidia-h200-2026-11-29/tensor_parallel_fused-d24b07b/:
-  M=8..4096, Llama-3-8B's down and o projections), and every
+  product per chunk was the slower, or within 1%, at every M measured
+  (H200, 2026-11-29, benchmarks/results/nvidia-h200-2026-11-29/
+  tensor_parallel_fused-e5c2dc8/: M=8..4096, Llama-3-8B's down and o
+  projections, torch and JAX), and every
   implementation's chunks have one set of bits, so the choice changes
   none."""
   return chunks <= triton_det_matmul.MAX_CHUNKS and impl in ("triton",

@@ -493,7 +493,7 @@ def choose_chunked_config(m: int, n: int, k_chunk: int, *, transpose_a: bool,
   weight's bytes (the rule's 64x32 there). 64x128 was the fastest or
   within 6% of it at M = 1 and 8 for Llama-3-8B's projections, C = 4 and 8,
   and within 21% at M=64 (H200, 2026-11-29, ``benchmarks/results/
-  nvidia-h200-2026-11-29/tensor_parallel_fused-8152c08/``);
+  nvidia-h200-2026-11-29/tensor_parallel_fused-e5c2dc8/``);
   above, one chunk's product is tiled as any product. Every config gives the
   same bits."""
   import numpy as np
