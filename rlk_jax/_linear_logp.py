@@ -295,10 +295,20 @@ def _vocab_stats(impl, chunk_size, with_entropy, chunks, hidden, weight,
   """(lse, mean, target's chunk log-prob, its chunk's lse), f32 [N], of
   this device's `chunks // ranks` vocabulary chunks, combined across
   `v_axis` in the fixed tree."""
-  fn = TABLE.implementations[impl].fn
   local = chunks // ranks
-  width = weight.shape[1] // local
   first = 0 if ranks == 1 else jax.lax.axis_index(v_axis) * local
+  stats = subtree_stats(impl, chunk_size, with_entropy, local, first, hidden,
+                        weight, targets, temps)
+  return _tree_reduction.finish_stats_across(stats, v_axis, ranks)
+
+
+def subtree_stats(impl, chunk_size, with_entropy, local, first, hidden,
+                  weight, targets, temps):
+  """The row statistics' subtree of `local` neighbouring vocabulary chunks,
+  the first of them chunk `first` of the whole vocabulary (`weight` holds
+  exactly those chunks; `targets` are ids in the whole vocabulary)."""
+  fn = TABLE.implementations[impl].fn
+  width = weight.shape[1] // local
   parts = []
   for c in range(local):
     t_c = targets - _chunk_offset(first, c, width)
@@ -314,16 +324,28 @@ def _vocab_stats(impl, chunk_size, with_entropy, chunks, hidden, weight,
     owner = (t_c >= 0) & (t_c < width)
     parts.append((lse, mean, jnp.where(owner, logp, 0.0),
                   jnp.where(owner, lse, 0.0)))
-  stats = _tree_reduction.tree_reduce(parts, _tree_reduction.combine_row_stats)
-  return _tree_reduction.finish_stats_across(stats, v_axis, ranks)
+  return _tree_reduction.tree_reduce(parts, _tree_reduction.combine_row_stats)
 
 
 def _vocab_grads(impl, chunk_size, with_entropy, chunks, dw_dtype, hidden,
                  weight, targets, temps, lse, entropy, g_logp, g_ent,
                  v_axis=None, ranks=1):
   local = chunks // ranks
-  width = weight.shape[1] // local
   first = 0 if ranks == 1 else jax.lax.axis_index(v_axis) * local
+  dh, dw = subtree_grads(impl, chunk_size, with_entropy, chunks, local, first,
+                         dw_dtype, hidden, weight, targets, temps, lse,
+                         entropy, g_logp, g_ent)
+  dh = _tree_reduction.finish_across(dh, v_axis, ranks)
+  return dh.astype(hidden.dtype), dw
+
+
+def subtree_grads(impl, chunk_size, with_entropy, chunks, local, first,
+                  dw_dtype, hidden, weight, targets, temps, lse, entropy,
+                  g_logp, g_ent):
+  """(the f32 root of d hidden's subtree, d weight) of `local` neighbouring
+  vocabulary chunks of `chunks`, the first of them chunk `first` (`weight`
+  holds exactly those), with the whole vocabulary's lse and entropy."""
+  width = weight.shape[1] // local
   # Every chunk carries -g p of a row with a target anywhere in V.
   target_ok = (targets >= 0) & (targets < width * chunks)
   dh_parts, dw_parts = [], []
@@ -335,9 +357,8 @@ def _vocab_grads(impl, chunk_size, with_entropy, chunks, dw_dtype, hidden,
         g_ent, dw_dtype=dw_dtype, dh_dtype=jnp.float32, target_ok=target_ok)
     dh_parts.append(dh_c)
     dw_parts.append(dw_c)
-  dh = _tree_reduction.finish_across(_tree_reduction.tree_sum(dh_parts),
-                                     v_axis, ranks)
-  return dh.astype(hidden.dtype), jnp.concatenate(dw_parts, axis=1)
+  return (_tree_reduction.tree_sum(dh_parts),
+          jnp.concatenate(dw_parts, axis=1))
 
 
 @functools.lru_cache(maxsize=None)

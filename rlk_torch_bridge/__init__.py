@@ -28,7 +28,8 @@ from rlk_torch_bridge.batch_invariant import (  # noqa: E402
     fallthroughs, is_enabled)
 from rlk_torch_bridge.attention import det_attention  # noqa: E402
 from rlk_torch_bridge.functions import PackInfo, det_gemm, pack, unpack  # noqa: E402
-from rlk_torch_bridge.logp import linear_logp  # noqa: E402
+from rlk_torch_bridge.logp import (  # noqa: E402
+    linear_logp, vocab_parallel_linear_logp)
 from rlk_torch_bridge.nn import DetLinear, replace_linear  # noqa: E402
 from rlk_torch_bridge.tensor_parallel import (  # noqa: E402
     ColumnParallelDetLinear, RowParallelDetLinear, parallelize)
@@ -37,4 +38,4 @@ __all__ = ["BatchInvariantFallthrough", "ColumnParallelDetLinear", "DetLinear",
            "PackInfo", "RowParallelDetLinear",
            "batch_invariant_mode", "det_attention", "det_gemm", "disable", "enable",
            "fallthroughs", "is_enabled", "linear_logp", "pack", "parallelize",
-           "replace_linear", "unpack"]
+           "replace_linear", "unpack", "vocab_parallel_linear_logp"]

@@ -8,8 +8,8 @@ import torch
 
 import jax
 
-from rlk_jax import _linear_logp
-from rlk_torch_bridge import _library, _logp_op
+from rlk_jax import _linear_logp, _tree_reduction
+from rlk_torch_bridge import _library, _logp_op, _vocab_logp
 from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 
 
@@ -48,6 +48,75 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   ``[V, H]`` buffer), and ``weight.grad`` is left alone, as Megatron's
   ``main_grad``; the operator ``torch.ops.rlk.linear_logp_backward_accumulate``.
   """
+  lead, bad, targets, temps = _inputs(hidden, weight, targets, temperature,
+                                      chunk_size, ignore_index,
+                                      weight.shape[0] if weight.ndim else 0)
+  if weight_grad_accumulator is not None:
+    _check_accumulator(weight, weight_grad_accumulator)
+  args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets, temps,
+          int(chunk_size), bool(return_entropy), implementation)
+  if (weight_grad_accumulator is not None
+      and _library.needs_grad(hidden, weight)):
+    logp, entropy, _ = _logp_op.LinearLogp.apply(*args,
+                                                 weight_grad_accumulator)
+  else:
+    logp, entropy, _ = _library.call(_logp_op.FORWARD, *args)
+  logp = torch.where(bad, torch.nan, logp.view(lead))
+  return (logp, entropy.view(lead)) if return_entropy else logp
+
+
+def vocab_parallel_linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
+                               targets: torch.Tensor, group=None, *,
+                               vocab_chunks: int,
+                               temperature: float | torch.Tensor = 1.0,
+                               chunk_size: int = 8192,
+                               return_entropy: bool = False,
+                               ignore_index: int = -100,
+                               implementation: str | None = None):
+  """`linear_logp` with the vocabulary split over `group`'s t ranks
+  (Megatron's vocab-parallel ``lm_head``): `weight` is this rank's rows of
+  ``lm_head.weight``, ``[V/t, H]`` (rank r holds rows ``r V/t .. (r+1) V/t``),
+  `hidden` and `targets` (ids in the whole vocabulary) the same on every
+  rank. Every rank returns the whole log-probs (and entropy).
+
+  `vocab_chunks` C (a power of two that t divides): rlk_jax's
+  ``linear_logp(..., vocab_chunks=C)``. V is cut into C chunks whose row
+  statistics combine in one fixed binary tree, each rank the subtree of its
+  C/t chunks and the roots gathered in rank order, so the bits are those of
+  one process with the whole weight and of the JAX op, at every t. d hidden
+  sums the chunks' products in the same tree and comes back whole on every
+  rank; d weight is this rank's rows. Runs rlk_jax's functions through
+  DLPack. `group` None: one process, the whole weight.
+  """
+  op = "rlk_torch_bridge.vocab_parallel_linear_logp"
+  check_tensor("linear_logp", "weight", weight)
+  _tree_reduction.check_power_of_two(vocab_chunks, op, "vocab_chunks")
+  t = _vocab_logp.ranks(group)
+  _tree_reduction.check_ranks(vocab_chunks, t, op)
+  local_v = weight.shape[0] if weight.ndim else 0
+  if local_v * t % vocab_chunks or local_v % (vocab_chunks // t):
+    raise ValueError(
+        f"{op}: this rank's {local_v} vocabulary rows (weight "
+        f"{tuple(weight.shape)}) of V={local_v * t} over {t} ranks must hold "
+        f"whole chunks: vocab_chunks={vocab_chunks} must divide V.")
+  lead, bad, targets, temps = _inputs(hidden, weight, targets, temperature,
+                                      chunk_size, ignore_index, local_v * t)
+  hidden2 = hidden.reshape(-1, hidden.shape[-1])
+  width = local_v * t // vocab_chunks
+  chunk_size = min(int(chunk_size), width)
+  impl = _logp_op.choose(hidden2, weight[:width], chunk_size, implementation)
+  logp, entropy = _vocab_logp.VocabTreeLogp.apply(
+      hidden2, weight, targets, temps, impl, chunk_size, bool(return_entropy),
+      vocab_chunks, group)
+  logp = torch.where(bad, torch.nan, logp.view(lead))
+  return (logp, entropy.view(lead)) if return_entropy else logp
+
+
+def _inputs(hidden, weight, targets, temperature, chunk_size, ignore_index, v):
+  """The checks every linear_logp entry makes (`v`: the whole vocabulary),
+  and its operands as the kernels take them: (the rows' shape, where a
+  target is out of range, int32 targets [N] with ignored ones -1, f32
+  temperatures [N])."""
   for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
     check_tensor("linear_logp", name, t)
   check_same_device("linear_logp", hidden=hidden, weight=weight, targets=targets)
@@ -65,10 +134,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
     _linear_logp._check(_spec(hidden), _spec(weight, transposed=True),
                         _spec(targets), chunk_size)
     _check_temperature(temperature, targets)
-  if weight_grad_accumulator is not None:
-    _check_accumulator(weight, weight_grad_accumulator)
   lead = hidden.shape[:-1]
-  v = weight.shape[0]
   if not torch.compiler.is_compiling() and targets.device.type == "cpu":
     _linear_logp.check_target_ids(targets, v, ignore_index,
                                   "rlk_torch_bridge.linear_logp")
@@ -81,16 +147,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
            if isinstance(temperature, torch.Tensor) else
            torch.full((targets.numel(),), float(temperature),
                       dtype=torch.float32, device=targets.device))
-  args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-          temps, int(chunk_size), bool(return_entropy), implementation)
-  if (weight_grad_accumulator is not None
-      and _library.needs_grad(hidden, weight)):
-    logp, entropy, _ = _logp_op.LinearLogp.apply(*args,
-                                                 weight_grad_accumulator)
-  else:
-    logp, entropy, _ = _library.call(_logp_op.FORWARD, *args)
-  logp = torch.where(bad, torch.nan, logp.view(lead))
-  return (logp, entropy.view(lead)) if return_entropy else logp
+  return lead, bad, targets.reshape(-1), temps
 
 
 def _check_temperature(temperature, targets):

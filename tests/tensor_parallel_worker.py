@@ -2,7 +2,9 @@
 starts one process per rank): a column-parallel then a row-parallel
 DetLinear, split from whole nn.Linear layers every rank builds from one
 seed, forward and backward with a given cotangent. Writes this rank's
-output, input gradient and weight-gradient shards to OUT/rank{r}.pt."""
+output, input gradient and weight-gradient shards to OUT/rank{r}.pt.
+Cases "llama" (a transformers model's logits) and "vocab" (vocab-parallel
+linear_logp) likewise."""
 
 import os
 import sys
@@ -50,16 +52,40 @@ def llama_logits(seed, device, dtype, impl, group):
     return model(ids).logits.float().cpu()
 
 
+def vocab_case(seed, device, dtype, n=13, h=64, v=256):
+  """Hidden states, a whole lm_head weight [V, H], targets (one ignored) and
+  the log-probs' and entropy's cotangents, drawn alike everywhere."""
+  gen = torch.Generator().manual_seed(seed)
+  draw = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
+  targets = torch.randint(0, v, (n,), generator=gen)
+  targets[3] = -100
+  return (draw(n, h), (draw(v, h) * 0.3).to(dtype), targets.to(device),
+          draw(n).float(), draw(n).float())
+
+
+def vocab_parallel_logp(seed, device, dtype, impl, group, chunks=8):
+  """This rank's vocab-parallel log-probs, entropy and gradients."""
+  hidden, weight, targets, g_logp, g_ent = vocab_case(seed, device, dtype)
+  ranks = 1 if group is None else dist.get_world_size(group)
+  rank = 0 if group is None else dist.get_rank(group)
+  rows = weight.shape[0] // ranks
+  shard = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
+  hidden.requires_grad_(True)
+  logp, entropy = rlk_torch_bridge.vocab_parallel_linear_logp(
+      hidden, shard, targets, group, vocab_chunks=chunks, return_entropy=True,
+      implementation=impl)
+  (logp * g_logp + entropy * g_ent).sum().backward()
+  return {"logp": logp.detach().cpu(), "entropy": entropy.detach().cpu(),
+          "d_hidden": hidden.grad.cpu(), "d_weight": shard.grad.cpu()}
+
+
 def main():
   out, seed, device, impl = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
   if len(sys.argv) > 5 and sys.argv[5] == "llama":
     return main_llama(out, seed, device, impl)
-  backend = "nccl" if device == "cuda" else "gloo"
-  device_id = None
-  if device == "cuda":
-    device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device_id)
-  dist.init_process_group(backend, device_id=device_id)
+  if len(sys.argv) > 5 and sys.argv[5] == "vocab":
+    return main_vocab(out, seed, device, impl)
+  _init(device)
   rank = dist.get_rank()
   dtype = torch.bfloat16 if device == "cuda" else torch.float32
   up, down, x, g = mlp_case(seed, device, dtype, m=24, k=256, hidden=128, n=64)
@@ -79,13 +105,25 @@ def main():
   dist.destroy_process_group()
 
 
-def main_llama(out, seed, device, impl):
+def main_vocab(out, seed, device, impl):
+  _init(device)
+  dtype = torch.bfloat16 if device == "cuda" else torch.float32
+  torch.save(vocab_parallel_logp(seed, device, dtype, impl, dist.group.WORLD),
+             os.path.join(out, f"rank{dist.get_rank()}.pt"))
+  dist.destroy_process_group()
+
+
+def _init(device):
   device_id = None
   if device == "cuda":
     device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device_id)
   dist.init_process_group("nccl" if device == "cuda" else "gloo",
                           device_id=device_id)
+
+
+def main_llama(out, seed, device, impl):
+  _init(device)
   dtype = torch.bfloat16 if device == "cuda" else torch.float32
   logits = llama_logits(seed, device, dtype, impl, dist.group.WORLD)
   torch.save({"logits": logits},

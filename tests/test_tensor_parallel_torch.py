@@ -149,6 +149,114 @@ def test_llama_logits_same_at_tp_1_2_4(tmp_path, rng):
                          f"{world} ranks vs 1")
 
 
+def vocab_degrees(tmp_path, seed, device, impl, degrees):
+  """The vocab-parallel results at each degree (rank 0's log-probs, entropy
+  and d hidden, the same on every rank; d weight's shards joined)."""
+  results = {}
+  for world in degrees:
+    out = tmp_path / f"vocab{world}"
+    out.mkdir()
+    ranks = run_ranks(out, world, seed, device, impl, case="vocab")
+    for r in ranks[1:]:
+      for name in ("logp", "entropy", "d_hidden"):
+        assert torch.equal(r[name], ranks[0][name]), name
+    results[world] = dict(ranks[0], d_weight=whole(ranks, "d_weight", 0))
+  for world in degrees[1:]:
+    for name, value in results[world].items():
+      assert_bitwise_equal(value.float().numpy(),
+                           results[degrees[0]][name].float().numpy(),
+                           f"{name}: {world} ranks vs {degrees[0]}")
+  return results[degrees[0]]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_vocab_parallel_logp_has_jitted_jax_bits_at_1_2_4_ranks(tmp_path, rng,
+                                                                impl):
+  # Megatron's vocab-parallel lm_head: each rank its rows of the weight, the
+  # same hidden states; log-probs, entropy and both gradients equal at 1, 2
+  # and 4 ranks (gloo) and to rlk_jax.linear_logp(vocab_chunks=8) jitted
+  # with the whole weight. (JAX's un-jitted call runs op by op: XLA rounds
+  # the entropy's exp/log glue otherwise there.)
+  from tensor_parallel_worker import vocab_case
+  seed = int(rng.integers(2**31))
+  got = vocab_degrees(tmp_path, seed, "cpu", impl, [1, 2, 4])
+  hidden, weight, targets, g_logp, g_ent = vocab_case(seed, "cpu",
+                                                      torch.float32)
+  mode = functools.partial(rlk_jax.linear_logp, vocab_chunks=8,
+                           return_entropy=True, implementation=impl)
+
+  @jax.jit
+  def forward_and_grads(h, w, t, gl, ge):
+    out, vjp = jax.vjp(lambda h, w: mode(h, w, t), h, w)
+    return out, vjp((gl, ge))
+
+  (logp, entropy), (dh, dw) = forward_and_grads(
+      as_jax(hidden), as_jax(weight).T, jnp.asarray(targets.numpy()),
+      as_jax(g_logp), as_jax(g_ent))
+  for name, want in (("logp", logp), ("entropy", entropy), ("d_hidden", dh),
+                     ("d_weight", dw.T)):
+    assert_bitwise_equal(got[name].numpy(), np.asarray(want), name)
+  assert np.isfinite(got["logp"].numpy()).all()
+
+
+@pytest.mark.gpu
+def test_vocab_parallel_logp_on_a_gpu_has_jitted_jax_bits(rng):
+  # One process, the whole weight (group None), bf16, on each of linear_logp's
+  # GPU implementations this device has.
+  from rlk_jax import _linear_logp
+  from tensor_parallel_worker import vocab_parallel_logp, vocab_case
+  seed = int(rng.integers(2**31))
+  hidden, weight, targets, g_logp, g_ent = vocab_case(seed, "cuda",
+                                                      torch.bfloat16)
+  to_jax = lambda t: jnp.asarray(t.detach().float().cpu().numpy()).astype(
+      jnp.bfloat16 if t.dtype == torch.bfloat16 else jnp.float32)
+  checked = []
+  for impl in ("cuda_ffi", "triton", "pallas"):
+    if _linear_logp.TABLE.unavailable_reason(impl, "gpu") is not None:
+      continue
+    got = vocab_parallel_logp(seed, "cuda", torch.bfloat16, impl, None)
+
+    @jax.jit
+    def forward_and_grads(h, w, t, gl, ge, impl=impl):
+      mode = lambda h, w: rlk_jax.linear_logp(
+          h, w, t, vocab_chunks=8, return_entropy=True, implementation=impl)
+      out, vjp = jax.vjp(mode, h, w)
+      return out, vjp((gl, ge))
+
+    (logp, entropy), (dh, dw) = forward_and_grads(
+        to_jax(hidden), to_jax(weight).T,
+        jnp.asarray(targets.cpu().numpy()).astype(jnp.int32),
+        to_jax(g_logp), to_jax(g_ent))
+    for name, want in (("logp", logp), ("entropy", entropy),
+                       ("d_hidden", dh), ("d_weight", dw.T)):
+      assert_bitwise_equal(got[name].float().numpy(),
+                           np.asarray(want.astype(jnp.float32)),
+                           f"{impl}: {name}")
+    checked.append(impl)
+  assert checked
+
+
+@pytest.mark.gpu
+def test_vocab_parallel_logp_same_bits_at_every_tp_degree_on_gpus(tmp_path,
+                                                                   rng):
+  gpus = torch.cuda.device_count()
+  if gpus < 2:
+    pytest.skip(f"needs 2 or more GPUs; this machine has {gpus}")
+  vocab_degrees(tmp_path, int(rng.integers(2**31)), "cuda", "pallas",
+                [t for t in (1, 2, 4, 8) if t <= gpus])
+
+
+def test_vocab_parallel_logp_names_a_split_it_cannot_take():
+  hidden, weight = torch.ones(2, 8), torch.ones(12, 8)
+  targets = torch.zeros(2, dtype=torch.int64)
+  with pytest.raises(ValueError, match="vocab_chunks must be a power of two"):
+    rlk_torch_bridge.vocab_parallel_linear_logp(hidden, weight, targets,
+                                                vocab_chunks=3)
+  with pytest.raises(ValueError, match="12 vocabulary rows.*vocab_chunks=8"):
+    rlk_torch_bridge.vocab_parallel_linear_logp(hidden, weight, targets,
+                                                vocab_chunks=8)
+
+
 def test_from_linear_keeps_flags_and_draws_nothing():
   linear = torch.nn.Linear(16, 8)
   linear.weight.requires_grad_(False)
