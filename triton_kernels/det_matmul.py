@@ -90,14 +90,11 @@ if triton is not None:
     return acc
 
   @triton.jit
-  def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
-                         stride_am, stride_ak, stride_bk, stride_bn,
-                         stride_cm, stride_cn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         INTERPRETED: tl.constexpr = False,
-                         EVEN_K: tl.constexpr = False):
-    # Grouped tile order: only L2 reuse depends on it, never a bit.
+  def _tile_rows_and_columns(M, N, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output rows and columns (64-bit: a vocabulary-wide
+    operand passes 2**31 elements), tiles taken in grouped order (only L2
+    reuse depends on it, never a bit)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -107,9 +104,18 @@ if triton is not None:
     in_group = pid % per_group
     tile_m = first_m + in_group % rows_in_group
     tile_n = in_group // rows_in_group
-    # 64-bit offsets: a vocabulary-wide operand passes 2**31 elements.
-    rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return ((tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64),
+            (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64))
+
+  @triton.jit
+  def _det_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                         stride_am, stride_ak, stride_bk, stride_bn,
+                         stride_cm, stride_cn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         INTERPRETED: tl.constexpr = False,
+                         EVEN_K: tl.constexpr = False):
+    rm, rn = _tile_rows_and_columns(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     row_in = rm[:, None] < M
     col_in = rn[None, :] < N
     # The tile's overhang past M or N loads wrapped, real rows and columns
@@ -136,18 +142,8 @@ if triton is not None:
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                              INTERPRETED: tl.constexpr = False,
                              EVEN_K: tl.constexpr = False):
-    pid = tl.program_id(0)
+    rm, rn = _tile_rows_and_columns(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     chunk = tl.program_id(1).to(tl.int64)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    in_group = pid % per_group
-    tile_m = first_m + in_group % rows_in_group
-    tile_n = in_group // rows_in_group
-    rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     start = chunk * K_CHUNK
     acc = tile_product(a_ptr + start * stride_ak, b_ptr + start * stride_bk,
                        rm % M, rn % N, K_CHUNK, stride_am, stride_ak,
