@@ -248,6 +248,8 @@ def _fused_subtree(transpose_a, transpose_b, chunks, a, b):
   def product(a, b):
     m, n, k = product_operands(a.shape, b.shape, transpose_a, transpose_b,
                                a.dtype, jnp.float32)[:3]
+    if not (m and n and k):  # no launch for an empty grid; an empty sum is +0.0
+      return jnp.zeros((m, n), jnp.float32)
     config = _gemm_tuning.choose_chunked_config(
         m, n, k // chunks, transpose_a=transpose_a, transpose_b=transpose_b,
         dtype=a.dtype)

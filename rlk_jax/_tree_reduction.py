@@ -82,11 +82,12 @@ def check_chunks(chunks, k: int, n: int, what: str = "rlk_jax.det_gemm"):
           f"{chunks} equal chunks.")
 
 
-def check_ranks(chunks: int, ranks: int, what: str):
+def check_ranks(chunks: int, ranks: int, what: str,
+                name: str = "reduction_chunks"):
   """A rank must hold whole neighbouring chunks: `ranks` divides `chunks`."""
   if ranks < 1 or chunks % ranks:
     raise ValueError(f"{what}: {ranks} ranks cannot each hold a whole "
-                     f"subtree of reduction_chunks={chunks} chunks: the "
+                     f"subtree of {name}={chunks} chunks: the "
                      f"number of ranks must divide it (so at most {chunks}).")
 
 

@@ -1,7 +1,8 @@
 """det_gemm's tensor-parallel-invariant mode for torch tensors: rlk_jax's
-``reduction_chunks`` (its order: ``rlk_jax._tree_reduction``), each chunk one
-``rlk::det_mm`` product with an f32 result, the chunks' tree summed with the
-same ``tree_sum``; optionally across the ranks of a process group.
+``reduction_chunks`` (its order: ``rlk_jax._tree_reduction``), each chunk an
+f32 product (Triton's fused launch of every chunk and the tree, where rlk_jax's
+rule takes it; else one ``rlk::det_mm`` per chunk, summed with the same
+``tree_sum``); optionally across the ranks of a process group.
 
 A product's reduction may be split over a group: K in the forward (a
 row-parallel layer's weight holds K/t of the input features), N in the input
@@ -25,7 +26,7 @@ from rlk_jax import _det_gemm, _tree_reduction
 from rlk_torch_bridge import _gemm_op, _gemm_routes, _library, _triton_native
 from rlk_torch_bridge._checks import (check_same_device, check_tensor,
                                      jax_dtype, platform_of)
-from triton_kernels import backend, det_matmul
+from triton_kernels import backend
 
 
 def ranks(group) -> int:
@@ -139,7 +140,7 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
   check_same_device("det_gemm", a=a, b=b)
   key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, transpose_b,
          implementation, chunks, ranks(k_group), ranks(n_group), whole_k,
-         whole_n, a.is_cuda, cuda_ffi.generation())
+         whole_n, a.device, cuda_ffi.generation())
   # The checks and the implementation choice are the signature's: worked
   # out once (a decode step's layer waits on the host otherwise).
   impl = _gemm_routes.cached(_PLANS, key, a, lambda: _plan_call(
@@ -158,6 +159,9 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
 def _plan_call(a, b, transpose_b, out_dtype, implementation, chunks, k_ranks,
                n_ranks, whole_k, whole_n) -> str:
   _tree_reduction.check_power_of_two(chunks, "rlk_torch_bridge.det_gemm")
+  if a.dtype != b.dtype:  # (the plan below reads a's dtype for both)
+    raise TypeError(f"rlk_torch_bridge.det_gemm: a and b must have the same "
+                    f"dtype, got {a.dtype} and {b.dtype}.")
   n_local, k_b = (b.shape if transpose_b else b.shape[::-1])
   if k_b != a.shape[-1]:
     raise ValueError(f"rlk_torch_bridge.det_gemm: inner dimensions differ: a "

@@ -92,8 +92,12 @@ def vocab_parallel_linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   check_tensor("linear_logp", "weight", weight)
   _tree_reduction.check_power_of_two(vocab_chunks, op, "vocab_chunks")
   t = _vocab_logp.ranks(group)
-  _tree_reduction.check_ranks(vocab_chunks, t, op)
-  local_v = weight.shape[0] if weight.ndim else 0
+  _tree_reduction.check_ranks(vocab_chunks, t, op, "vocab_chunks")
+  if weight.ndim != 2:
+    raise ValueError(f"{op}: weight must be this rank's rows of "
+                     f"lm_head.weight [V/t, H], got shape "
+                     f"{tuple(weight.shape)}.")
+  local_v = weight.shape[0]
   if local_v * t % vocab_chunks or local_v % (vocab_chunks // t):
     raise ValueError(
         f"{op}: this rank's {local_v} vocabulary rows (weight "

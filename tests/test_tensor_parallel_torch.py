@@ -169,14 +169,15 @@ def vocab_degrees(tmp_path, seed, device, impl, degrees):
   return results[degrees[0]]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_vocab_parallel_logp_has_jitted_jax_bits_at_1_2_4_ranks(tmp_path, rng,
-                                                                impl):
+def test_vocab_parallel_logp_has_jitted_jax_bits_at_1_2_4_ranks(tmp_path, rng):
   # Megatron's vocab-parallel lm_head: each rank its rows of the weight, the
   # same hidden states; log-probs, entropy and both gradients equal at 1, 2
   # and 4 ranks (gloo) and to rlk_jax.linear_logp(vocab_chunks=8) jitted
   # with the whole weight. (JAX's un-jitted call runs op by op: XLA rounds
-  # the entropy's exp/log glue otherwise there.)
+  # the entropy's exp/log glue otherwise there.) Pallas's kernels: each
+  # degree is another program, and the XLA reference's cross-program bits
+  # are not promised (docs/design.md).
+  impl = "pallas"
   from tensor_parallel_worker import vocab_case
   seed = int(rng.integers(2**31))
   got = vocab_degrees(tmp_path, seed, "cpu", impl, [1, 2, 4])

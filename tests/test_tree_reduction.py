@@ -134,9 +134,9 @@ def test_leading_dims_and_vmap(rng):
 @pytest.mark.parametrize("m,chunks", [(1, 8), (8, 2), (8, 8), (300, 8),
                                       (1024, 4)])
 def test_every_gpu_route_and_torch_give_one_set_of_bits(m, chunks, rng):
-  # Triton, Pallas (and cuda_ffi where built) each run a product per chunk;
-  # torch's Triton route runs every chunk in one launch and the tree in a
-  # second (the bf16 output: the f32 root rounded once, in the kernel). One
+  # JAX's Triton and cuda_ffi (where built) and torch's Triton run every
+  # chunk in one launch and the tree in a second (the bf16 output: the f32
+  # root rounded once, in the kernel); Pallas runs a product per chunk. One
   # set of bits, forward and gradients.
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
@@ -163,8 +163,10 @@ def test_every_gpu_route_and_torch_give_one_set_of_bits(m, chunks, rng):
   # batching rule of its own): the same bits.
   batched = jax.vmap(functools.partial(
       rlk_jax.det_gemm, transpose_b=True, implementation="triton",
-      reduction_chunks=chunks), in_axes=(0, None))(jnp.stack([x, x[::-1]]), w)
+      reduction_chunks=chunks), in_axes=(0, None))(jnp.stack([x, -x]), w)
   assert_bitwise_equal(batched[0], runs["triton"][0], "vmap")
+  # (Negation is exact through products, sums and rounding.)
+  assert_bitwise_equal(batched[1], -runs["triton"][0], "vmap, -x")
   to_torch = lambda t: torch.from_dlpack(np.asarray(t.astype(jnp.float32))
                                          ).cuda().bfloat16()
   tx, tw = to_torch(x).requires_grad_(True), to_torch(w).requires_grad_(True)

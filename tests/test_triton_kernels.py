@@ -98,14 +98,17 @@ def test_zero_padding_k_changes_no_bit(rng):
 
 @pytest.mark.parametrize("chunks", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("transpose_a,transpose_b",
-                         [(False, False), (False, True), (True, False)])
+                         [(False, False), (False, True), (True, False),
+                          (True, True)])
+@pytest.mark.parametrize("k", [512, 768])
 def test_chunked_product_is_the_chunks_tree_bitwise(chunks, transpose_a,
-                                                    transpose_b, rng):
+                                                    transpose_b, k, rng):
   # One launch for every chunk and one for the tree against the mode's
   # definition: each K chunk det_matmul's own f32 product, added in
-  # _tree_reduction's tree. Ragged M and N; K a power of two.
+  # _tree_reduction's tree. Ragged M and N; K a power of two, or chunks of
+  # whole K steps plus a masked one (768 / 8 = 96: 64 + 32).
   from rlk_jax import _tree_reduction
-  m, n, k = 37, 50, 512
+  m, n = 37, 50
   a, b, sa, sb = operands(rng, m, n, k, transpose_a, transpose_b,
                           torch.bfloat16)
   size = k // chunks

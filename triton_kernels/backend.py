@@ -105,9 +105,17 @@ class Launcher:
         spec.append((a.dtype, a.data_ptr() % 16 == 0))
     return tuple(spec)
 
+  @staticmethod
+  def _device() -> int:
+    # A compiled kernel's function handle is its GPU's (Triton keeps one
+    # per device too): a process driving several GPUs keys them apart.
+    import torch
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return get() if get is not None and torch.cuda.is_initialized() else -1
+
   def __call__(self, grid, key, *args, **kwargs):
     knobs = getattr(triton, "knobs", None)
-    fast_key = (key, self._specialisation(args))
+    fast_key = (key, self._specialisation(args), self._device())
     entry = self._compiled.get(fast_key)
     # (Nothing is kept under the interpreter, so entry is None there.)
     if (entry is None or knobs is None
@@ -142,7 +150,7 @@ class Launcher:
 
     def launch(*tensors):
       entry = self._compiled.get(
-          (key, self._specialisation(tensors) + scalar_spec))
+          (key, self._specialisation(tensors) + scalar_spec, self._device()))
       if (entry is None or knobs is None
           or _hooked(knobs.runtime.launch_enter_hook)
           or _hooked(knobs.runtime.launch_exit_hook)):
