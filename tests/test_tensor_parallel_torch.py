@@ -54,6 +54,10 @@ def test_bad_splits_raise():
   with pytest.raises(ValueError, match="power of two"):
     rlk_torch_bridge.det_gemm(torch.ones(2, 96), torch.ones(8, 96),
                               transpose_b=True, reduction_chunks=6)
+  with pytest.raises(TypeError, match="float32 and torch.bfloat16"):
+    rlk_torch_bridge.det_gemm(torch.ones(2, 96),
+                              torch.ones(8, 96, dtype=torch.bfloat16),
+                              transpose_b=True, reduction_chunks=2)
 
 
 def free_port():
