@@ -19,18 +19,14 @@ import math
 
 import jax
 import torch
-import torch.distributed as dist
 
 import cuda_ffi
 from rlk_jax import _det_gemm, _tree_reduction
-from rlk_torch_bridge import _gemm_op, _gemm_routes, _library, _triton_native
+from rlk_torch_bridge import (_gemm_op, _gemm_routes, _library,
+                              _process_group, _triton_native)
 from rlk_torch_bridge._checks import (check_same_device, check_tensor,
                                      jax_dtype, platform_of)
 from triton_kernels import backend
-
-
-def ranks(group) -> int:
-  return 1 if group is None else dist.get_world_size(group)
 
 
 def plan(m, k, n, transpose_b, dtype, out_dtype, implementation, chunks,
@@ -86,13 +82,12 @@ def _tree_product(a, b, transpose_b, chunks, impl, group, out_dtype):
   """The whole tree of ``a @ op(b)`` whose reduction `group` splits: this
   rank's subtree, then the tree's top levels across the ranks' roots, in
   rank order."""
-  t = ranks(group)
+  t = _process_group.size(group)
   if t == 1:
     return _subtree(a, b, transpose_b, chunks, impl, out_dtype)
   partial = _subtree(a, b, transpose_b, chunks // t, impl)
-  roots = [torch.empty_like(partial) for _ in range(t)]
-  dist.all_gather(roots, partial.contiguous(), group=group)
-  return _tree_reduction.tree_sum(roots).to(out_dtype)
+  return _tree_reduction.tree_sum(
+      _process_group.gathered(partial, group)).to(out_dtype)
 
 
 class TreeMm(torch.autograd.Function):
@@ -139,13 +134,13 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
   key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, transpose_b,
-         implementation, chunks, ranks(k_group), ranks(n_group), whole_k,
+         implementation, chunks, _process_group.size(k_group), _process_group.size(n_group), whole_k,
          whole_n, a.device, cuda_ffi.generation())
   # The checks and the implementation choice are the signature's: worked
   # out once (a decode step's layer waits on the host otherwise).
   impl = _gemm_routes.cached(_PLANS, key, a, lambda: _plan_call(
-      a, b, transpose_b, out_dtype, implementation, chunks, ranks(k_group),
-      ranks(n_group), whole_k, whole_n))
+      a, b, transpose_b, out_dtype, implementation, chunks, _process_group.size(k_group),
+      _process_group.size(n_group), whole_k, whole_n))
   lead = a.shape[:-1]
   a2 = a.reshape(-1, a.shape[-1])
   if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):

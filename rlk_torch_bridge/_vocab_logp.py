@@ -19,19 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import torch
-import torch.distributed as dist
 
 from rlk_jax import _linear_logp, _tree_reduction
-from rlk_torch_bridge import _dlpack
+from rlk_torch_bridge import _dlpack, _process_group
 from rlk_torch_bridge._checks import jax_dtype
-
-
-def ranks(group) -> int:
-  return 1 if group is None else dist.get_world_size(group)
-
-
-def rank(group) -> int:
-  return 0 if group is None else dist.get_rank(group)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -64,15 +55,6 @@ def _jax_subtree_grads(impl, chunk_size, with_entropy, chunks, local, first,
   return dh, dw_hv.T  # [V/t, H], this rank's rows of lm_head.weight
 
 
-def _gathered(x, group):
-  """`x` from every rank of `group`, in rank order."""
-  if ranks(group) == 1:
-    return [x]
-  parts = [torch.empty_like(x) for _ in range(ranks(group))]
-  dist.all_gather(parts, x.contiguous(), group=group)
-  return parts
-
-
 class VocabTreeLogp(torch.autograd.Function):
   """(log-probs, entropy) of rows `hidden [N, H]` against this rank's
   vocabulary rows `weight [V/t, H]` of `group`, in the fixed tree."""
@@ -80,8 +62,8 @@ class VocabTreeLogp(torch.autograd.Function):
   @staticmethod
   def forward(ctx, hidden, weight, targets, temps, impl, chunk_size,
               with_entropy, chunks, group):
-    t, local = ranks(group), chunks // ranks(group)
-    first = rank(group) * local
+    t, local = _process_group.size(group), chunks // _process_group.size(group)
+    first = _process_group.rank(group) * local
     roots = _dlpack.through_jax(
         "linear_logp", impl,
         functools.partial(_jax_subtree_stats, impl, chunk_size, with_entropy,
@@ -90,7 +72,7 @@ class VocabTreeLogp(torch.autograd.Function):
     logp, lse, entropy = _dlpack.through_jax(
         "linear_logp", impl,
         functools.partial(_jax_finish, with_entropy, weight.shape[0] * t),
-        torch.stack(_gathered(roots, group)), targets)
+        torch.stack(_process_group.gathered(roots, group)), targets)
     ctx.save_for_backward(hidden, weight, targets, temps, lse, entropy)
     ctx.flags = (impl, chunk_size, with_entropy, chunks, group)
     return logp, entropy
@@ -100,7 +82,7 @@ class VocabTreeLogp(torch.autograd.Function):
   def backward(ctx, g_logp, g_entropy):
     hidden, weight, targets, temps, lse, entropy = ctx.saved_tensors
     impl, chunk_size, with_entropy, chunks, group = ctx.flags
-    local = chunks // ranks(group)
+    local = chunks // _process_group.size(group)
     zeros = torch.zeros_like(lse)
     g_logp = zeros if g_logp is None else g_logp.float().contiguous()
     g_entropy = (zeros if g_entropy is None or not with_entropy
@@ -108,8 +90,8 @@ class VocabTreeLogp(torch.autograd.Function):
     dh_root, dw = _dlpack.through_jax(
         "linear_logp", impl,
         functools.partial(_jax_subtree_grads, impl, chunk_size, with_entropy,
-                          chunks, local, rank(group) * local,
+                          chunks, local, _process_group.rank(group) * local,
                           jax_dtype(weight.dtype)),
         hidden, weight, targets, temps, lse, entropy, g_logp, g_entropy)
-    dh = _tree_reduction.tree_sum(_gathered(dh_root, group)).to(hidden.dtype)
+    dh = _tree_reduction.tree_sum(_process_group.gathered(dh_root, group)).to(hidden.dtype)
     return dh, dw, None, None, None, None, None, None, None

@@ -9,7 +9,8 @@ import torch
 import jax
 
 from rlk_jax import _linear_logp, _tree_reduction
-from rlk_torch_bridge import _library, _logp_op, _vocab_logp
+from rlk_torch_bridge import (_library, _logp_op, _process_group,
+                              _vocab_logp)
 from rlk_torch_bridge._checks import check_same_device, check_tensor, jax_dtype
 
 
@@ -91,7 +92,7 @@ def vocab_parallel_linear_logp(hidden: torch.Tensor, weight: torch.Tensor,
   op = "rlk_torch_bridge.vocab_parallel_linear_logp"
   check_tensor("linear_logp", "weight", weight)
   _tree_reduction.check_power_of_two(vocab_chunks, op, "vocab_chunks")
-  t = _vocab_logp.ranks(group)
+  t = _process_group.size(group)
   _tree_reduction.check_ranks(vocab_chunks, t, op, "vocab_chunks")
   if weight.ndim != 2:
     raise ValueError(f"{op}: weight must be this rank's rows of "

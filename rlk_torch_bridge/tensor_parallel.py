@@ -23,18 +23,11 @@ reduction_chunks=C)`` with the whole weight, and rlk_jax's bits.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from rlk_torch_bridge import _tree_gemm
+from rlk_torch_bridge import _process_group, _tree_gemm
 
 __all__ = ["ColumnParallelDetLinear", "RowParallelDetLinear", "parallelize"]
-
-
-def _rank_and_size(group):
-  if group is None:
-    return 0, 1
-  return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _shard(size: int, parts: int, what: str) -> int:
@@ -55,11 +48,11 @@ class _ParallelDetLinear(nn.Module):
     self.in_features, self.out_features = in_features, out_features
     self.group, self.reduction_chunks = group, reduction_chunks
     self.implementation = implementation
-    rank, size = _rank_and_size(group)
-    self.rank, self.ranks = rank, size
+    self.rank = _process_group.rank(group)
+    self.ranks = _process_group.size(group)
     name = type(self).__name__
     shape = [out_features, in_features]
-    shape[self.split_dim] = _shard(shape[self.split_dim], size, name)
+    shape[self.split_dim] = _shard(shape[self.split_dim], self.ranks, name)
     kwargs = dict(device=device, dtype=dtype)
     self.weight = nn.Parameter(torch.empty(*shape, **kwargs))
     bias_size = shape[0]
@@ -162,15 +155,12 @@ class _GatherLastDim(torch.autograd.Function):
   @staticmethod
   def forward(ctx, y, group):
     ctx.group = group
-    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, y.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(_process_group.gathered(y, group), dim=-1)
 
   @staticmethod
   def backward(ctx, g):
-    rank, size = _rank_and_size(ctx.group)
-    width = g.shape[-1] // size
-    return g.narrow(-1, rank * width, width), None
+    width = g.shape[-1] // _process_group.size(ctx.group)
+    return g.narrow(-1, _process_group.rank(ctx.group) * width, width), None
 
 
 def _gather_last_dim(y, group):

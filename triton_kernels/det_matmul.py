@@ -251,27 +251,32 @@ def chunked_matmul(a, b, *, transpose_a: bool, transpose_b: bool, chunks: int,
   import jax
   import jax.numpy as jnp
   m, n, k = _dims(a.shape, b.shape, transpose_a, transpose_b)
-  _check_chunks(chunks, k)
-  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
+  grid, sizes, meta, finish_grid = _chunked_launches(
+      m, n, k, transpose_a, transpose_b, chunks, config)
   partials = jax_launch.triton_call(
       a, b, kernel=_chunk_partials_kernel,
       out_shape=jax.ShapeDtypeStruct((chunks, m, n), jnp.float32),
-      grid=(_grid(m, n, config)[0], chunks), num_warps=config.num_warps,
-      num_stages=config.num_stages, name="rlk_det_matmul_chunks_triton",
-      M=m, N=n, K_CHUNK=k // chunks, stride_am=am, stride_ak=ak,
-      stride_bk=bk, stride_bn=bn, **_meta(config, k // chunks))
+      grid=grid, num_warps=config.num_warps, num_stages=config.num_stages,
+      name="rlk_det_matmul_chunks_triton", **sizes, **meta)
   return jax_launch.triton_call(
       partials, kernel=_tree_finish_kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-      grid=(cdiv(m * n, _FINISH_BLOCK),), num_warps=_FINISH_WARPS,
-      num_stages=1, name="rlk_det_matmul_tree_triton", SIZE=m * n,
-      CHUNKS=chunks, BLOCK=_FINISH_BLOCK)
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32), grid=finish_grid,
+      num_warps=_FINISH_WARPS, num_stages=1, name="rlk_det_matmul_tree_triton",
+      SIZE=m * n, CHUNKS=chunks, BLOCK=_FINISH_BLOCK)
 
 
-def _check_chunks(chunks, k):
+def _chunked_launches(m, n, k, transpose_a, transpose_b, chunks, config):
+  """The two launches of a chunked product, after checking the split: (the
+  partials' grid, their kernel's sizes and strides by name in signature
+  order, its constexprs, the tree's grid)."""
   if chunks < 1 or chunks & (chunks - 1) or chunks > MAX_CHUNKS or k % chunks:
     raise ValueError(f"det_matmul: chunks={chunks} must be a power of two up "
                      f"to {MAX_CHUNKS} dividing K={k}.")
+  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
+  sizes = dict(M=m, N=n, K_CHUNK=k // chunks, stride_am=am, stride_ak=ak,
+               stride_bk=bk, stride_bn=bn)
+  return ((_grid(m, n, config)[0], chunks), sizes, _meta(config, k // chunks),
+          (cdiv(m * n, _FINISH_BLOCK),))
 
 
 def chunked_matmul_torch(a, b, out, *, transpose_a: bool, transpose_b: bool,
@@ -296,17 +301,16 @@ def chunked_matmul_plan(m: int, n: int, k: int, *, transpose_a: bool,
   its launches prepared (grids, scalars and their specialisation worked out
   once: a decode step's eager call is mostly host time). `partials`: f32
   ``[chunks, M, N]`` scratch."""
-  _check_chunks(chunks, k)
-  am, ak, bk, bn, _, _ = strides(m, n, k, transpose_a, transpose_b)
-  meta = dict(_meta(config, k // chunks), INTERPRETED=interpreted())
+  grid, sizes, meta, finish_grid = _chunked_launches(
+      m, n, k, transpose_a, transpose_b, chunks, config)
+  meta["INTERPRETED"] = interpreted()
   partials_launch = _launch_partials.prepared(
-      (_grid(m, n, config)[0], chunks),
-      (tuple(meta.items()), config.num_warps, config.num_stages),
-      (m, n, k // chunks, am, ak, bk, bn), num_warps=config.num_warps,
+      grid, (tuple(meta.items()), config.num_warps, config.num_stages),
+      tuple(sizes.values()), num_warps=config.num_warps,
       num_stages=config.num_stages, **meta)
   finish_launch = _launch_finish.prepared(
-      (cdiv(m * n, _FINISH_BLOCK),), (chunks,), (m * n,), CHUNKS=chunks,
-      BLOCK=_FINISH_BLOCK, num_warps=_FINISH_WARPS)
+      finish_grid, (chunks,), (m * n,), CHUNKS=chunks, BLOCK=_FINISH_BLOCK,
+      num_warps=_FINISH_WARPS)
 
   def run(a, b, partials, out):
     partials_launch(a, b, partials)
