@@ -387,7 +387,7 @@ def test_the_first_use_builds_in_a_background_process_once(
 def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
     stand_in_toolchain, monkeypatch):
   # `python -m cuda_ffi.build` in a process group of its own, each compile
-  # taking a second; Ctrl-C (SIGINT to the group) after three seconds. The
+  # taking a second; Ctrl-C (SIGINT to the group) after four steps. The
   # build stops at once (no step starts after it), is not marked failed
   # (so first use resumes it), keeps every object it finished, and the next
   # build compiles only the rest: the time lost is the steps in flight.
@@ -402,10 +402,23 @@ def test_a_build_stopped_by_ctrl_c_resumes_where_it_stopped(
       command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       start_new_session=True,
       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-  time.sleep(3)
+  # Ctrl-C once four steps are done, read from the build's own progress lines:
+  # a fixed sleep raced a loaded CI machine's interpreter start (only one step
+  # had finished after 3 s there, 2026-11-29).
+  seen = []
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    line = first.stdout.readline()
+    if not line:
+      break
+    seen.append(line)
+    done = re.search(r"\[(\d+)/55\]", line)
+    if done and int(done.group(1)) >= 4:
+      break
   os.killpg(first.pid, signal.SIGINT)
   stopped_at = time.monotonic()
-  log, _ = first.communicate(timeout=60)
+  rest, _ = first.communicate(timeout=60)
+  log = "".join(seen) + rest
   assert time.monotonic() - stopped_at < 5, log
   assert first.returncode != 0, log
   progress = build.status(where)["progress"]
