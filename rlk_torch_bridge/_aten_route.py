@@ -14,7 +14,7 @@ CUDA tensors:
 
 - at the Autograd keys, the entry points (``linear``, ``matmul``, ``mm``,
   ``addmm``, ``bmm``, ``baddbmm``, ``mean.dim``,
-  ``scaled_dot_product_attention``): the replacements bring their own
+  ``scaled_dot_product_attention``, ``_grouped_mm``): the replacements bring their own
   autograd (det_gemm's, det_row_mean's, det_attention's);
 - at the backend keys, the products and the mean, which
   ``inference_mode`` (no Autograd keys) and aten's own backward formulas
@@ -40,8 +40,8 @@ import torch
 from rlk_torch_bridge import _cpp_extension, _row_routes
 
 _ENTRY = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "mean.dim",
-          "scaled_dot_product_attention")
-_BELOW_AUTOGRAD = ("mm", "addmm", "bmm", "baddbmm", "mean.dim")
+          "scaled_dot_product_attention", "_grouped_mm")
+_BELOW_AUTOGRAD = ("mm", "addmm", "bmm", "baddbmm", "mean.dim", "_grouped_mm")
 _KEYS = {"Autograd": _ENTRY, "": _BELOW_AUTOGRAD}
 
 
@@ -56,8 +56,8 @@ def _cpp_route(products) -> bool:
 
 
 def _handler_name(op: str) -> str:
-  return {"scaled_dot_product_attention": "sdpa",
-          "mean.dim": "mean"}.get(op, op)
+  return {"scaled_dot_product_attention": "sdpa", "mean.dim": "mean",
+          "_grouped_mm": "grouped_mm"}.get(op, op)
 
 
 class AtenRoute:

@@ -71,7 +71,14 @@ def plan(a, b, transpose_a, transpose_b, out_dtype, implementation):
     return lambda a, b: a.new_zeros(out_shape, dtype=out_dtype)
   flat = (lambda a: a) if transpose_a or a.ndim == 2 else (
       lambda a: a.reshape(m, k))
-  shaped = (lambda c: c) if len(lead) == 1 else (lambda c: c.view(out_shape))
+  # Leading dimensions restored in place (``resize_`` of a fresh, packed
+  # result to its own size), not by ``view``: det_mm's autograd function
+  # would return a view made inside it, which autograd forbids to modify in
+  # place (Falcon's ``mlp_output += attention_output`` failed so in
+  # training).
+  shaped = (lambda c: c) if len(lead) == 1 else (
+      lambda c: c.resize_(out_shape) if c.is_contiguous() else
+      c.reshape(out_shape))
   impl = implementation
   if impl == "cuda_ffi" and a.is_cuda:
     product = _sm90.planned_product(m, n, k, transpose_a, transpose_b,

@@ -3,7 +3,9 @@ batch-invariant: inside :func:`batch_invariant_mode`, ``torch.matmul``,
 ``@``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``F.linear`` (so every
 ``nn.Linear``) on bfloat16, float16 or float32 tensors run on rlk's
 det_gemm (the ``rlk::det_mm`` operator), in eager mode and under
-torch.compile alike; ``mean`` over the last dimension (an RMSNorm's) runs
+torch.compile alike; a mixture of experts' ``torch._grouped_mm`` (transformers' default
+experts) runs one det_gemm per expert (``rlk::det_grouped_mm``);
+``mean`` over the last dimension (an RMSNorm's) runs
 on ``rlk::det_row_mean`` (a row kernel), and the gradient of a per-row
 scale (an RMSNorm's ``x * rsqrt(var)``) on ``rlk::det_row_sum``; a causal
 decoder's ``F.scaled_dot_product_attention``, and transformers' attention
@@ -62,6 +64,7 @@ from rlk_torch_bridge import sdpa, transformers_attention, transformers_generate
 from rlk_torch_bridge._fallthroughs import (  # noqa: F401
     BatchInvariantFallthrough, fallthroughs, report_fallthrough)
 from rlk_torch_bridge._aten_route import AtenRoute
+from rlk_torch_bridge._grouped_mm_op import det_grouped_mm
 from rlk_torch_bridge._row_mean_op import RowScaled, det_row_mean
 from rlk_torch_bridge.functions import det_gemm
 
@@ -209,6 +212,17 @@ class _Products:
       return _NOT_OURS
     return out.transpose(1, 2)
 
+  def grouped_mm(self, a, b, offs=None, bias=None, out_dtype=None):
+    """A mixture of experts' ``torch._grouped_mm(a [S, K], b [E, K, N],
+    offs)`` (transformers' default experts) on ``rlk::det_grouped_mm``:
+    each expert's rows one det_gemm product."""
+    if (offs is None or bias is not None or not _takes(a, b) or a.ndim != 2
+        or b.ndim != 3 or a.shape[1] != b.shape[1]
+        or offs.shape != (b.shape[0],)):
+      return NotImplemented
+    return det_grouped_mm(a, b, offs, a.dtype if out_dtype is None
+                          else out_dtype, self.implementation)
+
   def linear(self, x, weight, bias=None):
     if not _takes(x, weight) or weight.ndim != 2 or x.ndim == 0:
       return NotImplemented
@@ -247,7 +261,83 @@ def _handlers(products: _Products) -> dict:
       torch.baddbmm: products.baddbmm, torch.Tensor.baddbmm: products.baddbmm,
       torch.nn.functional.linear: products.linear,
       torch.nn.functional.scaled_dot_product_attention: products.sdpa,
+      **{f: products.grouped_mm for f in _GROUPED_BUILTINS},
   }
+
+
+# torch's names for the operands the handlers take by position: a caller
+# may name them (Bloom's ``alibi.baddbmm(batch1=..., batch2=...)``).
+_OPERAND_NAMES = {
+    "baddbmm": ("input", "batch1", "batch2"),
+    "addmm": ("input", "mat1", "mat2"),
+    "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
+    "matmul": ("input", "other"), "__matmul__": ("input", "other"),
+    "mul": ("input", "other"), "__mul__": ("input", "other"),
+    "linear": ("input", "weight", "bias"),
+    "mean": ("input", "dim", "keepdim"),
+    "_grouped_mm": ("mat_a", "mat_b", "offs"),
+    "grouped_mm": ("mat_a", "mat_b"),
+}
+
+
+def _positional(func, args, kwargs):
+  """`args` and `kwargs` with the operands named in `kwargs` moved into
+  `args`, in torch's order, as far as they run without a gap (``self`` of
+  a method call is already ``args[0]``)."""
+  names = _OPERAND_NAMES.get(getattr(func, "__name__", None))
+  if not names or not any(n in kwargs for n in names):
+    return args, kwargs
+  args, kwargs = list(args), dict(kwargs)
+  for name in names[len(args):]:
+    if name not in kwargs:
+      break
+    args.append(kwargs.pop(name))
+  return tuple(args), kwargs
+
+
+# The products of the innermost open mode, for the grouped-product entry
+# points below (process-wide, as transformers_attention's patch is).
+_open_modes: list = []
+_GROUPED_NAMES = ((torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm"))
+_grouped_originals: dict = {}
+_GROUPED_BUILTINS = tuple(getattr(m, n) for m, n in _GROUPED_NAMES
+                          if hasattr(m, n))
+
+
+def _grouped_entry(original):
+  """``torch._grouped_mm`` / ``F.grouped_mm`` while a mode is open.
+  torch.compile hands a torch-function mode only the functions torch lists
+  as overridable, which these are not: a compiled MoE model kept torch's
+  grouped kernel. As Python functions they are traced, and the product
+  reaches the graph as ``rlk::det_grouped_mm``."""
+
+  def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    if _open_modes:
+      out = _open_modes[-1].grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+      if out is not NotImplemented:
+        return out
+    return original(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+  return grouped_mm
+
+
+def _open(products) -> None:
+  if not _open_modes:
+    for module, name in _GROUPED_NAMES:
+      original = getattr(module, name, None)
+      if original is not None:
+        _grouped_originals[(module, name)] = original
+        setattr(module, name, _grouped_entry(original))
+  _open_modes.append(products)
+
+
+def _close(products) -> None:
+  if products in _open_modes:
+    _open_modes.remove(products)
+  if not _open_modes:
+    for (module, name), original in _grouped_originals.items():
+      setattr(module, name, original)
+    _grouped_originals.clear()
 
 
 class BatchInvariantMode(TorchFunctionMode):
@@ -273,6 +363,7 @@ class BatchInvariantMode(TorchFunctionMode):
     inductor.emulate_precision_casts = True
     transformers_attention.enter()
     transformers_generate.install(BatchInvariantMode)
+    _open(self._products)
     try:
       return super().__enter__()
     except BaseException:
@@ -289,12 +380,14 @@ class BatchInvariantMode(TorchFunctionMode):
     from torch._inductor import config as inductor
     inductor.emulate_precision_casts = self._saved_casts
     transformers_attention.exit()
+    _close(self._products)
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     handler = self._handlers.get(func)
     if handler is not None:
       out = kwargs.pop("out", None)
+      args, kwargs = _positional(func, args, kwargs)
       result = handler(*args, **kwargs)
       if result is not NotImplemented and result is not _NOT_OURS:
         return result if out is None else out.copy_(result)

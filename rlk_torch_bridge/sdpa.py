@@ -136,8 +136,13 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   if attn_mask is not None and attn_mask.ndim != 2:
     layout, fits, memo = _layout(attn_mask, position_ids, b, n, s_k,
                                  sliding_window, query.device)
-    if check == "host" and not bool(fits.all()):
-      return None
+    if check == "host":
+      # Read back once per mask (every layer of a forward shares it).
+      fits_all = memo.get("fits_all")
+      if fits_all is None:
+        fits_all = memo["fits_all"] = bool(fits.all())
+      if not fits_all:
+        return None
     if n < s_k:
       step = _step(memo, query, key, value, layout, fits, scale, softcap,
                    sliding_window, implementation)

@@ -11,9 +11,11 @@ for the implementations in ``COVERED``: the model then runs det_attention,
 with its window taken from the module (a mask alone cannot say where a
 window-cut sequence starts, ``rlk_torch_bridge.sdpa`` explains why that
 decides the bits). Calls it cannot take (a non-causal module, attention
-weights asked for, dropout in training, an unsupported head dim) go to the
-function transformers would have used, with a ``BatchInvariantFallthrough``
-warning.
+weights asked for, dropout in training, an unsupported head dim, attention
+sinks, chunked attention, a keyword argument it does not know, in eager
+code a mask it cannot express) go to the function transformers would have
+used, with a ``BatchInvariantFallthrough`` warning: never silently other
+arithmetic.
 
 Why patch ``get_interface`` instead of registering an implementation name:
 the mode is meant for unmodified models, whose configs name ``"sdpa"`` or
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from rlk_torch_bridge import sdpa
 from rlk_torch_bridge._fallthroughs import report_fallthrough
 from rlk_torch_bridge.attention import det_attention
@@ -40,11 +44,45 @@ _active = 0  # how many batch_invariant_mode contexts are open
 _installed = False
 
 
+# The keywords transformers' attention modules pass that leave the
+# arithmetic as its named arguments say (bookkeeping, or read below). Any
+# other (gpt-oss's attention sinks ``s_aux``, say) could change it, so the
+# call goes to the model's own function rather than be silently wrong.
+_KNOWN_KEYWORDS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_router_logits",
+    "output_attentions", "past_key_values", "past_key_value", "layer_idx",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "is_causal", "target_dtype"})
+
+
+def _chunk(module) -> int | None:
+  """The key chunk of a layer of chunked attention (Llama 4's: each query
+  sees only its own chunk's keys, which det_attention does not express);
+  None for any other layer."""
+  config = getattr(module, "config", None)
+  chunk = getattr(config, "attention_chunk_size", None)
+  types = getattr(config, "layer_types", None)
+  index = getattr(module, "layer_idx", None)
+  if chunk is not None and types is not None and index is not None and (
+      0 <= index < len(types)):
+    return chunk if types[index] == "chunked_attention" else None
+  return chunk
+
+
 def _reason(module, query, key, value, attention_mask, dropout, kwargs):
+  if kwargs.get("s_aux") is not None:
+    return "attention sinks (s_aux): det_attention has none"
+  unknown = sorted(k for k, v in kwargs.items()
+                   if k not in _KNOWN_KEYWORDS and v is not None)
+  if unknown:
+    return f"keyword arguments {unknown} whose effect rlk does not know"
   if kwargs.get("output_attentions"):
     return "output_attentions=True (det_attention returns no weights)"
-  if not getattr(module, "is_causal", True):
+  if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
     return "a non-causal attention module"
+  chunk = _chunk(module)
+  if chunk is not None:
+    return f"chunked attention (attention_chunk_size={chunk})"
   if dropout and getattr(module, "training", False):
     return f"attention dropout {dropout} in training"
   packed = kwargs.get("cu_seq_lens_q") is not None
@@ -83,9 +121,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                         scale=scaling, sliding_window=sliding_window,
                         softcap=softcap)
     return out[None], None
+  # Eager calls check the mask on the host and leave one det_attention
+  # cannot express to the model's function; traced ones check on the device
+  # (NaN rows where it does not fit), as the SDPA handler does.
   out = sdpa.attention(query, key, value, attention_mask, scale=scaling, sliding_window=sliding_window,
                        softcap=softcap, position_ids=kwargs.get("position_ids"),
-                       check="device")
+                       check="device" if torch.compiler.is_compiling() else "host")
+  if out is None:
+    report_fallthrough(f"transformers attention {implementation_name!r}",
+                       "a mask that is not causal with padding and the "
+                       "module's window")
+    return fallback(module, query, key, value, attention_mask,
+                    dropout=dropout, scaling=scaling,
+                    sliding_window=sliding_window, softcap=softcap, **kwargs)
   return out, None
 
 

@@ -48,6 +48,12 @@ def families(width: str = "tiny") -> dict:
                  dict(c, sliding_window=window, query_pre_attn_scalar=64)),
       "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                  dict(c, sliding_window=window, query_pre_attn_scalar=64)),
+      # A mixture of experts (Qwen3-30B-A3B's kind), its experts on
+      # transformers' default torch._grouped_mm.
+      "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                    dict(c, num_experts=4 if width == "tiny" else 16,
+                         num_experts_per_tok=2 if width == "tiny" else 4,
+                         moe_intermediate_size=c["intermediate_size"] // 4)),
       # Phi-3's head dim is hidden / heads: 128 / 2 = 64 (tiny), 2048 / 32.
       "phi3": ("Phi3Config", "Phi3ForCausalLM",
                dict(no_head_dim, num_attention_heads=c["hidden_size"] // 64,

@@ -41,10 +41,29 @@ def _assert_bits(got, want, what):
 
 
 def test_families_cover_the_issue_list():
-  # transformers 5.17 ships all seven; a smaller set means the installed
+  # transformers 5.17 ships all eight; a smaller set means the installed
   # transformers lacks one, which this says instead of skipping quietly.
   assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "gemma2",
-                           "gemma3", "phi3"}
+                           "gemma3", "phi3", "qwen3_moe"}
+
+
+def test_moe_experts_run_on_det_grouped_mm(monkeypatch):
+  # transformers 5 runs its experts on torch._grouped_mm; under the mode
+  # each expert's rows are one det_gemm product (rlk::det_grouped_mm), in
+  # the trainer's forward and in generate's aten route alike.
+  from rlk_torch_bridge import batch_invariant
+  calls = []
+  original = batch_invariant.det_grouped_mm
+  monkeypatch.setattr(batch_invariant, "det_grouped_mm",
+                      lambda *a: calls.append(a[0].shape) or original(*a))
+  model = opc.build("qwen3_moe", WIDTH, device=DEVICE)
+  assert model.config._experts_implementation == "grouped_mm"
+  with rtb.batch_invariant_mode():
+    r = _rollout(model)
+    decoding = len(calls)
+    _assert_bits(opc.trainer_logp(model, r, "right"), r.logp,
+                 "qwen3_moe trainer vs rollout")
+  assert decoding >= NEW and len(calls) > decoding, (decoding, len(calls))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -272,3 +291,49 @@ def test_training_gradients_per_sequence_and_deterministic():
   assert torch.equal(batch[1:2], alone)
   assert len(weights) == len(again) > 10
   assert all(torch.equal(a, b) for a, b in zip(weights, again))
+
+
+def _tiny(config_name, model_name, attn="sdpa", **kwargs):
+  import transformers
+  config = getattr(transformers, config_name)(
+      vocab_size=opc.VOCAB, hidden_size=128, intermediate_size=256,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      head_dim=64, max_position_embeddings=512, **kwargs)
+  config._attn_implementation = attn
+  torch.manual_seed(0)
+  return getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss sinks", "llama4 chunked"])
+def test_attention_it_cannot_compute_goes_to_the_model(family):
+  # gpt-oss's attention sinks (s_aux) and Llama 4's chunked attention are
+  # not det_attention's arithmetic: the mode hands those layers to the
+  # model's own function and says so. (Before: sinks silently dropped, and
+  # chunked layers' rows NaN.)
+  if family == "gpt_oss sinks":
+    model = _tiny("GptOssConfig", "GptOssForCausalLM", "eager",
+                  num_local_experts=4,
+                  num_experts_per_tok=2, sliding_window=6)
+    for layer in model.model.layers:  # sinks that matter
+      layer.self_attn.sinks.data.fill_(3.0)
+    want = "attention sinks"
+  else:
+    model = _tiny("Llama4TextConfig", "Llama4ForCausalLM",
+                  num_local_experts=4, num_experts_per_tok=1,
+                  intermediate_size_mlp=256, attention_chunk_size=6,
+                  layer_types=["chunked_attention", "full_attention"],
+                  moe_layers=[1])
+    want = "chunked attention"
+  g = torch.Generator().manual_seed(5)
+  ids = torch.randint(1, opc.VOCAB, (2, 13), generator=g)
+  mask = torch.ones_like(ids)
+  mask[1, :4] = 0
+  with torch.no_grad():
+    plain = model(ids, attention_mask=mask).logits.float()
+    with pytest.warns(rtb.BatchInvariantFallthrough, match=want):
+      with rtb.batch_invariant_mode():
+        mine = model(ids, attention_mask=mask).logits.float()
+  rows = mask.bool()
+  assert torch.isfinite(mine[rows]).all()
+  err = (mine - plain)[rows].norm() / plain[rows].norm()
+  assert err < 2e-2, err

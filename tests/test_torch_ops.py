@@ -336,3 +336,104 @@ def test_mode_is_exception_safe_and_switchable(rng):
   recorder = Ops()
   torch.compile(lambda: x.T @ x, fullgraph=True, backend=recorder)()
   assert "rlk.det_mm.default" not in recorder.targets
+
+
+def test_mode_takes_operands_named_by_keyword(rng):
+  # Bloom's alibi.baddbmm(batch1=..., batch2=...) and the like: the same
+  # products as positional calls.
+  a3, b3, bias3 = randn(rng, (3, 5, 8)), randn(rng, (3, 8, 4)), randn(rng, (3, 5, 4))
+  a, b, w = randn(rng, (5, 8)), randn(rng, (8, 4)), randn(rng, (6, 8))
+  pairs = {
+      "Tensor.baddbmm": (lambda: bias3.baddbmm(batch1=a3, batch2=b3, beta=0.5),
+                         lambda: bias3.baddbmm(a3, b3, beta=0.5)),
+      "baddbmm": (lambda: torch.baddbmm(input=bias3, batch1=a3, batch2=b3),
+                  lambda: torch.baddbmm(bias3, a3, b3)),
+      "addmm": (lambda: torch.addmm(b[0], mat1=a, mat2=b),
+                lambda: torch.addmm(b[0], a, b)),
+      "linear": (lambda: torch.nn.functional.linear(input=a, weight=w),
+                 lambda: torch.nn.functional.linear(a, w)),
+      "mm": (lambda: torch.mm(a, mat2=b), lambda: torch.mm(a, b)),
+      "matmul": (lambda: torch.matmul(input=a3, other=b3),
+                 lambda: torch.matmul(a3, b3)),
+      "mean": (lambda: torch.mean(a3, dim=-1, keepdim=True),
+               lambda: torch.mean(a3, -1, True)),
+  }
+  with rtb.batch_invariant_mode():
+    for name, (named, positional) in pairs.items():
+      assert same_bits(named(), positional()), name
+    linear = pairs["linear"][0]()
+  assert same_bits(linear, rtb.det_gemm(a, w, transpose_b=True))
+
+
+def test_mode_outputs_can_be_modified_in_place_in_training(rng):
+  # Falcon's `mlp_output += attention_output`, Gemma 3n's `x *= scale` on a
+  # linear's output: det_mm's result must not be a view made inside its
+  # autograd function (autograd forbids modifying one in place).
+  x = randn(rng, (2, 3, 8), requires_grad=True)
+  w = randn(rng, (5, 8), requires_grad=True)
+  z = randn(rng, (2, 3, 5))
+  g = randn(rng, (2, 3, 5))
+
+  def step(in_place):
+    with rtb.batch_invariant_mode():
+      y = torch.nn.functional.linear(x, w)
+      if in_place:
+        y += z
+        y *= 2.0
+      else:
+        y = (y + z) * 2.0
+      y.backward(g)
+    grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    return y.detach(), grads
+
+  y_in, (dx_in, dw_in) = step(True)
+  y_out, (dx_out, dw_out) = step(False)
+  assert same_bits(y_in, y_out)
+  assert same_bits(dx_in, dx_out) and same_bits(dw_in, dw_out)
+
+
+@pytest.mark.parametrize("stored", ["[E, K, N]", "[E, N, K]"])
+def test_mode_runs_grouped_mm_one_det_gemm_per_expert(rng, stored):
+  # A mixture of experts' torch._grouped_mm (transformers 5's default
+  # experts): a row's output is its own expert's det_gemm row whatever the
+  # other experts' row counts; gradients are each expert's det_gemm ones;
+  # compiled, one rlk::det_grouped_mm call.
+  k, n, sizes = 64, 24, (5, 0, 9, 3)
+  e = len(sizes)
+  a = randn(rng, (sum(sizes) + 2, k), torch.bfloat16, requires_grad=True)
+  if stored == "[E, K, N]":
+    b_leaf = randn(rng, (e, k, n), torch.bfloat16, requires_grad=True)
+    b = b_leaf
+  else:  # transformers' transposed experts: [E, N, K] viewed as [E, K, N]
+    b_leaf = randn(rng, (e, n, k), torch.bfloat16, requires_grad=True)
+    b = b_leaf.transpose(1, 2)
+  ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+  g = randn(rng, (a.shape[0], n), torch.bfloat16)
+  with rtb.batch_invariant_mode():
+    out = torch._grouped_mm(a, b, offs=ends)
+    out.backward(g)
+  da, db = a.grad.clone(), b_leaf.grad.clone()
+  a.grad = b_leaf.grad = None
+  pieces, start = [], 0
+  for i, end in enumerate(ends.tolist()):
+    pieces.append(rtb.det_gemm(a[start:end], b[i].contiguous()))
+    start = end
+  want = torch.cat(pieces + [torch.zeros(2, n, dtype=torch.bfloat16)])
+  assert same_bits(out, want)
+  want.backward(g)
+  assert same_bits(da, a.grad) and same_bits(db, b_leaf.grad)
+  ref = torch.cat([a[s:t].double() @ b[i].double() for i, (s, t) in enumerate(
+      zip([0, *ends.tolist()[:-1]], ends.tolist()))])
+  assert relative_error(out[:ref.shape[0]], ref) < 1e-2
+  # Expert 2's rows alone: the same bits.
+  alone = torch.tensor([0, 0, 9, 9], dtype=torch.int32)
+  with rtb.batch_invariant_mode():
+    got = torch._grouped_mm(a[5:14].detach(), b.detach(), offs=alone)
+    recorder = Ops()
+    traced = torch.compile(lambda: torch._grouped_mm(a.detach(), b.detach(),
+                                                     offs=ends),
+                           fullgraph=True, backend=recorder)()
+  assert same_bits(got, out[5:14])
+  assert same_bits(traced, out)
+  assert "rlk.det_grouped_mm.default" in recorder.targets

@@ -155,7 +155,9 @@ at::Tensor DetMmForward(const at::Tensor& a, const at::Tensor& b,
   at::Tensor c = Product(rows, b, false, transpose_b, out_dtype, config);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end() - 1);
   shape.push_back(c.size(1));
-  return c.view(shape);
+  // In place, not a view: autograd forbids modifying in place a view that
+  // an autograd function made (Falcon's `mlp_output += attention_output`).
+  return c.resize_(shape);
 }
 
 }  // namespace rlk_torch
