@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from rlk_torch_bridge.functions import det_gemm
+from rlk_torch_bridge._gemm_op import det_mm
 
 
 def _expert_weight(b: torch.Tensor, e: int):
@@ -46,9 +46,8 @@ def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     for e, start, end in _groups(offs):
       if end > start:
         w, transpose = _expert_weight(b, e)
-        out[start:end] = det_gemm(a[start:end], w, transpose_b=transpose,
-                                  out_dtype=out_dtype,
-                                  implementation=implementation)
+        out[start:end] = det_mm(a[start:end], w, transpose, out_dtype,
+                                implementation)
   return out
 
 
@@ -82,11 +81,9 @@ def _backward(ctx, g):
     rows, g_rows = a[start:end], g[start:end]
     if need_a:
       w, transpose = _expert_weight(b, e)
-      da[start:end] = det_gemm(g_rows, w, transpose_b=not transpose,
-                               implementation=impl)
+      da[start:end] = det_mm(g_rows, w, not transpose, a.dtype, impl)
     if need_b:
-      db[e] = det_gemm(rows.t().contiguous(), g_rows, out_dtype=b.dtype,
-                       implementation=impl)
+      db[e] = det_mm(rows.t().contiguous(), g_rows, False, b.dtype, impl)
   return da, db, None, None, None
 
 

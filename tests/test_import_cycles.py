@@ -185,7 +185,7 @@ BRIDGE_LAYERS = (
      "batch_invariant", "sdpa", "transformers_attention",
      "transformers_generate", "_aten_route", "_fallthroughs"),
     ("_gemm_op", "_tree_gemm", "_logp_op", "_vocab_logp", "_pack_op",
-     "_attention_op", "_cache_step", "_row_mean_op"),
+     "_attention_op", "_cache_step", "_row_mean_op", "_grouped_mm_op"),
     ("_gemm_routes", "_sm90", "_sm90_logp", "_sm90_attention",
      "_triton_native", "_triton_attention", "_attention_rows", "_row_routes",
      "_cuda_pack",
