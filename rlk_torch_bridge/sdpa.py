@@ -29,6 +29,7 @@ is refused (``None``) in ``"host"`` checking, which reads one flag back.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -87,14 +88,40 @@ def _refusal(query, key, value, attn_mask, dropout_p, is_causal,
               f" [B or 1, 1, {n}, {s_k}])")
     if is_causal:
       return "both a mask and is_causal"
+  if key.shape[-1] != d:
+    return f"q head dim {d} and k head dim {key.shape[-1]} differ"
+  run_d = run_head_dim(d, value.shape[-1])
+  if run_d is None:
+    return (f"head dims q/k {d}, v {value.shape[-1]} (det_attention takes "
+            f"up to {max(_attention.HEAD_DIMS)})")
   try:
     _attention.check_operands(
-        (b, n, hq, d), (b, s_k, hk, d), (b, s_k, hk, value.shape[-1]),
+        (b, n, hq, run_d), (b, s_k, hk, run_d), (b, s_k, hk, run_d),
         tuple(str(x.dtype).removeprefix("torch.") for x in (query, key, value)),
         "padded" if n == s_k else "kv cache")
   except (NotImplementedError, ValueError, TypeError) as e:
     return str(e)
   return None
+
+
+def run_head_dim(d_qk: int, d_v: int) -> int | None:
+  """The head dim det_attention runs a call of these at: the smallest it
+  takes that holds both (None: none does). Appended zeros change nothing a
+  row computes but its cost: each score gains products of 0 (adding +0 to a
+  sum leaves it), and v's zero columns come out 0 and are cut off. So
+  Phi-2's 80, GPT-NeoX-20B's 96 and DeepSeek's 192/128 (q and k / v) run,
+  a rollout and its trainer padded alike."""
+  need = max(d_qk, d_v)
+  return next((d for d in _attention.HEAD_DIMS if d >= need), None)
+
+
+def padded(query, key, value):
+  """(q, k, v with head dims det_attention takes, v's own head dim)."""
+  d_v = value.shape[-1]
+  run_d = run_head_dim(query.shape[-1], d_v)
+  pad = lambda x: (x if x.shape[-1] == run_d else
+                   torch.nn.functional.pad(x, (0, run_d - x.shape[-1])))
+  return pad(query), pad(key), pad(value), d_v
 
 
 def _seen_and_hidden(mask: torch.Tensor):
@@ -128,7 +155,17 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   Hkv, S, D]``; returns ``[B, n, Hq, D]`` (the layout transformers'
   attention functions return; SDPA's is its transpose). ``check`` is
   ``"device"`` or ``"host"`` (module docstring); with ``"host"`` a mask
-  that does not fit gives None."""
+  that does not fit gives None. Head dims det_attention does not take run
+  padded with zeros (``run_head_dim``)."""
+  if not (query.shape[-1] == key.shape[-1] == value.shape[-1]
+          and query.shape[-1] in _attention.HEAD_DIMS):
+    d = query.shape[-1]
+    q, k, v, d_v = padded(query, key, value)
+    out = attention(q, k, v, attn_mask, 1.0 / math.sqrt(d) if scale is None
+                    else scale, sliding_window=sliding_window,
+                    softcap=softcap, position_ids=position_ids, check=check,
+                    implementation=implementation)
+    return None if out is None else out[..., :d_v]
   b, _, n, _ = query.shape
   s_k = key.shape[2]
   opts = dict(scale=scale, sliding_window=sliding_window, softcap=softcap,

@@ -11,7 +11,7 @@ for the implementations in ``COVERED``: the model then runs det_attention,
 with its window taken from the module (a mask alone cannot say where a
 window-cut sequence starts, ``rlk_torch_bridge.sdpa`` explains why that
 decides the bits). Calls it cannot take (a non-causal module, attention
-weights asked for, dropout in training, an unsupported head dim, attention
+weights asked for, dropout in training, a head dim above 256, attention
 sinks, chunked attention, a keyword argument it does not know, in eager
 code a mask it cannot express) go to the function transformers would have
 used, with a ``BatchInvariantFallthrough`` warning: never silently other
@@ -31,6 +31,7 @@ layout on those boundaries.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -116,11 +117,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
     softcap = None
   cu = kwargs.get("cu_seq_lens_q")
   if cu is not None:
-    out = det_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                        value[0].transpose(0, 1), cu_seqlens=cu,
+    if scaling is None:
+      scaling = 1.0 / math.sqrt(query.shape[-1])
+    q, k, v, d_v = sdpa.padded(query, key, value)
+    out = det_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                        v[0].transpose(0, 1), cu_seqlens=cu,
                         scale=scaling, sliding_window=sliding_window,
                         softcap=softcap)
-    return out[None], None
+    return out[None, ..., :d_v], None
   # Eager calls check the mask on the host and leave one det_attention
   # cannot express to the model's function; traced ones check on the device
   # (NaN rows where it does not fit), as the SDPA handler does.

@@ -337,3 +337,57 @@ def test_attention_it_cannot_compute_goes_to_the_model(family):
   assert torch.isfinite(mine[rows]).all()
   err = (mine - plain)[rows].norm() / plain[rows].norm()
   assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (96, 64)])
+def test_head_dims_it_pads(dims):
+  # Phi-2's 80 and an MLA-like 96 for q and k with 64 for v run on
+  # det_attention padded with zeros: a sequence's rows alone equal its
+  # rows in the padded batch, a decode row equals the prefill's, and the
+  # values are attention's (float64 reference).
+  d, d_v = dims
+  g = torch.Generator().manual_seed(6)
+  b, h, s = 3, 2, 19
+  q, k = (torch.randn(b, h, s, d, generator=g).to(DEVICE, torch.bfloat16)
+          for _ in range(2))
+  v = torch.randn(b, h, s, d_v, generator=g).to(DEVICE, torch.bfloat16)
+  starts = torch.tensor([0, 6, 2], device=DEVICE)
+  cols = torch.arange(s, device=DEVICE)
+  mask = ((cols[None, :] <= cols[:, None])[None]
+          & (cols[None] >= starts[:, None])[:, None, :])[:, None]
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  with rtb.batch_invariant_mode():
+    full = sdpa(q, k, v, attn_mask=mask)
+    for i in range(b):
+      st = int(starts[i])
+      alone = sdpa(q[i:i + 1, :, st:], k[i:i + 1, :, st:], v[i:i + 1, :, st:],
+                   is_causal=True)
+      _assert_bits(full[i, :, st:], alone[0], f"sequence {i} padded vs alone")
+      decode = sdpa(q[i:i + 1, :, -1:], k[i:i + 1, :, st:], v[i:i + 1, :, st:])
+      _assert_bits(decode[0, :, 0], alone[0, :, -1], f"sequence {i} decode")
+  assert not [f for f in rtb.fallthroughs() if "head dim" in f[1]]
+  ref = sdpa(q.double(), k.double(), v.double(), attn_mask=mask)
+  rows = (cols[None] >= starts[:, None])[:, None, :, None].expand_as(ref)
+  err = (full.double() - ref)[rows].norm() / ref[rows].norm()
+  assert full.shape == ref.shape and err < 1e-2, err
+
+
+def test_a_model_of_head_dim_80_is_on_policy():
+  # Phi-2 / StableLM-3B's head dim, in a transformers Llama built so.
+  import transformers
+  config = transformers.LlamaConfig(
+      vocab_size=opc.VOCAB, hidden_size=160, intermediate_size=256,
+      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+      head_dim=80, max_position_embeddings=512)
+  config._attn_implementation = "sdpa"
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(config).to(DEVICE, torch.bfloat16)
+  model = model.eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  with rtb.batch_invariant_mode():
+    r = _rollout(model)
+    for layout in ("left", "packed"):
+      _assert_bits(opc.trainer_logp(model, r, layout), r.logp,
+                   f"head dim 80 trainer ({layout}) vs rollout")
+  assert not [f for f in rtb.fallthroughs() if "head dim" in f[1]]
