@@ -72,7 +72,9 @@ def _refusal(query, key, value, attn_mask, dropout_p, is_causal,
   b, hq, n, d = query.shape
   s_k = key.shape[2]
   hk = key.shape[1]
-  if hk != hq and not enable_gqa:
+  # One key head broadcasts over the query heads in SDPA itself (Falcon's
+  # multi-query attention passes it so): det_attention's GQA of one group.
+  if hk != hq and hk != 1 and not enable_gqa:
     return f"{hq} query heads against {hk} key heads without enable_gqa"
   if key.shape[0] != b or value.shape[0] != b:
     return (f"batch sizes q {b}, k {key.shape[0]}, v {value.shape[0]} differ")

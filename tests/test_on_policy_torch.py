@@ -391,3 +391,20 @@ def test_a_model_of_head_dim_80_is_on_policy():
       _assert_bits(opc.trainer_logp(model, r, layout), r.logp,
                    f"head dim 80 trainer ({layout}) vs rollout")
   assert not [f for f in rtb.fallthroughs() if "head dim" in f[1]]
+
+
+def test_one_key_head_broadcasts_over_the_query_heads():
+  # Falcon's multi-query attention calls SDPA with k, v [B, 1, S, D] and no
+  # enable_gqa (SDPA broadcasts the one head): det_attention takes it.
+  g = torch.Generator().manual_seed(8)
+  q = torch.randn(3, 4, 11, 64, generator=g).to(DEVICE, torch.bfloat16)
+  k, v = (torch.randn(3, 1, 11, 64, generator=g).to(DEVICE, torch.bfloat16)
+          for _ in range(2))
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  with rtb.batch_invariant_mode():
+    out = sdpa(q, k, v, is_causal=True)
+    alone = sdpa(q[2:], k[2:], v[2:], is_causal=True)
+  _assert_bits(out[2:], alone, "a row alone vs in the batch")
+  assert not [f for f in rtb.fallthroughs() if "enable_gqa" in f[1]]
+  ref = sdpa(q.double(), k.double(), v.double(), is_causal=True)
+  assert (out.double() - ref).norm() / ref.norm() < 1e-2
