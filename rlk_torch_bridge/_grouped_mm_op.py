@@ -11,7 +11,9 @@ of its own expert's product, so it depends on its own row and weight only.
 The group ends are read on the host once a call (as transformers' own
 fallback reads them); an operator with a fake kernel and autograd, so a
 compiled model keeps it as one opaque call, as transformers does its
-fallback. Rows past the last group's end come back 0.
+fallback. Rows past the last group's end come back 0. (The read is a
+host sync: a CUDA-graph capture of an MoE layer under the mode fails
+there, with torch's error, rather than replay stale group ends.)
 """
 
 from typing import Optional
