@@ -37,9 +37,7 @@ arguments and evaluates it equation by equation:
   libdevice's, one code path for every element).
 - A float division on CPU stays a division (``_divide``): XLA's
   simplifier otherwise rewrites some into products by a reciprocal, as
-  the shapes around them decide. A float product on CPU is never fused
-  with the add after it into one multiply-add (``_multiply``), which
-  XLA:CPU's LLVM does in some loop bodies and not others.
+  the shapes around them decide.
 - Inside ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
   ``shard_map`` and ``custom_jvp`` functions the same rules apply to their
   bodies (rebuilt through the public API with the same settings). A ``custom_jvp``
@@ -287,8 +285,6 @@ def _rewritten(eqn) -> str | None:
     return "per_element"
   if name == "div" and _is_float(eqn.invars[1].aval):
     return "divide"
-  if name == "mul" and _is_float(eqn.outvars[0].aval):
-    return "multiply"
   return None
 
 
@@ -345,21 +341,6 @@ def _divide(x, y, dtype, platform=None):
           jnp.broadcast_to(y, shape)))
 
 
-def _multiply(x, y, platform=None):
-  """``x * y``, never contracted into a fused multiply-add on CPU. XLA:CPU's
-  LLVM contracts a product and the add or subtract after it into one FMA in
-  some loop bodies and not in others, as the shapes decide: Gemma's final
-  softcap ``tanh(l / c) * c`` before log-softmax's ``- max`` rounded once
-  for a row alone and twice in a batch of 8 (and ``x * 30 - max(x * 30)``
-  alone, in plain ``jit``). A barrier, a ``reduce_precision`` or bit casts
-  did not stop it (LLVM sees through them); a select on the product does:
-  ``where(isnan(p), nan, p)``, the product's value, which an FMA cannot
-  take apart. Other platforms multiply as XLA does."""
-  fenced = lambda x, y: (lambda p: jnp.where(
-      jnp.isnan(p), jnp.asarray(jnp.nan, p.dtype), p))(jax.lax.mul(x, y))
-  return _by_platform(platform, x, y, default=jax.lax.mul, cpu=fenced)
-
-
 _PRECISION = {jnp.dtype(jnp.bfloat16): (8, 7), jnp.dtype(jnp.float16): (5, 10)}
 
 
@@ -383,10 +364,7 @@ def _rounded_on_cpu(x, platform=None):
 
 def _needs_rewrite(jaxpr) -> bool:
   """Whether anything in `jaxpr` (or below it) is rewritten."""
-  # (A product alone does not make a body worth rebuilding: a custom_jvp
-  # function would lose its own derivative rule for it.)
-  return any(_rewritten(eqn) not in (None, "multiply")
-             or any(_needs_rewrite(j) for j in _subjaxprs(eqn))
+  return any(_rewritten(eqn) or any(_needs_rewrite(j) for j in _subjaxprs(eqn))
              for eqn in jaxpr.eqns)
 
 
@@ -516,8 +494,6 @@ class _Rules:
       return _per_element(eqn, invals[0], self.platform)
     if rewrite == "divide":
       return _divide(*invals, eqn.outvars[0].aval.dtype, self.platform)
-    if rewrite == "multiply":
-      return _multiply(*invals, self.platform)
     rule = _HIGHER_ORDER.get(eqn.primitive.name)
     if rule is not None and any(_needs_rewrite(j) for j in _subjaxprs(eqn)):
       return rule(self, eqn, invals)

@@ -488,21 +488,3 @@ def test_batched_products_folded_into_one_call_keep_each_elements_bits(
                    np.asarray(k, np.float64))
   assert np.linalg.norm(folded - want) / np.linalg.norm(want) < 1e-6
 
-
-def test_a_product_is_not_fused_with_the_add_after_it():
-  # Gemma's final softcap before log-softmax, reduced: `x * c - max(x *
-  # c)`. XLA:CPU contracted the product and the subtraction into one
-  # fused multiply-add for a row alone and not in a batch of 8 (2026-11-29,
-  # plain jit: every row differed). The transformation keeps every row's
-  # own bits, and they are the unfused arithmetic's (numpy's).
-  x = jax.random.normal(jax.random.PRNGKey(0), (8, 12, 97), jnp.float32) * 3
-  f = rlk_jax.batch_invariant(lambda x: (lambda t: t - jnp.max(
-      t, -1, keepdims=True))(x * 30.0))
-  run = jax.jit(f)
-  batch = np.asarray(run(x))
-  t = np.asarray(x) * np.float32(30.0)
-  np.testing.assert_array_equal(batch.view(np.uint32),
-                                (t - t.max(-1, keepdims=True)).view(np.uint32))
-  for i in (0, 5):
-    np.testing.assert_array_equal(np.asarray(run(x[i:i + 1]))[0].view(
-        np.uint32), batch[i].view(np.uint32))

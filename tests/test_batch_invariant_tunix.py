@@ -128,40 +128,6 @@ def test_rows_alone_equal_their_batch(family, route):
       LAYERS if route == "det_attention" else 0)
 
 
-def test_gemma2_rows_alone_equal_their_batch():
-  # Tunix's Gemma 2: a sliding-window layer, attention-logit and final
-  # softcaps, on the products route. Its final softcap `tanh(l / c) * c`
-  # before log-softmax's `- max` was fused into a multiply-add by XLA:CPU
-  # for a row alone and not in the batch: every row differed until products
-  # were fenced (rlk_jax._batch_invariant._multiply).
-  from flax import nnx
-  module = tunix_client.model_module("gemma")
-  config = module.ModelConfig(
-      num_layers=LAYERS, num_embed=VOCAB, embed_dim=128, hidden_dim=128,
-      num_heads=4, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS,
-      final_logit_softcap=30.0, use_post_attn_norm=True,
-      use_post_ffw_norm=True, attn_logits_soft_cap=50.0,
-      sliding_window_size=4,
-      attention_types=(module.AttentionType.LOCAL_SLIDING,
-                       module.AttentionType.GLOBAL)[:LAYERS])
-  graphdef, state = nnx.split(module.Gemma(config, rngs=nnx.Rngs(0)))
-  state = jax.tree.map(lambda w: w.astype(DTYPE) if jnp.issubdtype(
-      w.dtype, jnp.floating) else w, state)
-  trainer, _ = _functions(graphdef)
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 12), 0, VOCAB)
-  valid = jnp.arange(12)[None] >= jnp.array([0, 3, 0, 1, 2, 0, 2, 0])[:,
-                                                                     None]
-  positions, mask = _layout(valid)
-  run = jax.jit(rlk_jax.batch_invariant(trainer, attention="products"))
-  batch = np.asarray(run(state, tokens, positions, mask))
-  assert np.isfinite(batch[np.asarray(valid)]).all()
-  for i in (0, 3, 6):
-    alone = np.asarray(run(state, tokens[i:i + 1], positions[i:i + 1],
-                           mask[i:i + 1]))
-    np.testing.assert_array_equal(alone[0].view(np.uint32),
-                                  batch[i].view(np.uint32))
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_in_a_pack_equal_their_sequences_alone(family):
   # Three sequences and two spare slots in one row: positions restart at
