@@ -122,6 +122,19 @@ def test_compiled_trainer_equals_eager_rollout(family, compile_kwargs):
                    f"{family} compiled {compile_kwargs} ({layout})")
 
 
+def _assert_sequences_alone_and_decoding(q, k, v, starts, full):
+  """Each left-padded sequence of an SDPA batch (`full`) alone, and its last
+  row decoded against its keys, give the batch's bits (inside the mode)."""
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  for i in range(q.shape[0]):
+    st = int(starts[i])
+    alone = sdpa(q[i:i + 1, :, st:], k[i:i + 1, :, st:], v[i:i + 1, :, st:],
+                 is_causal=True)
+    _assert_bits(full[i, :, st:], alone[0], f"sequence {i} padded vs alone")
+    decode = sdpa(q[i:i + 1, :, -1:], k[i:i + 1, :, st:], v[i:i + 1, :, st:])
+    _assert_bits(decode[0, :, 0], alone[0, :, -1], f"sequence {i} decode")
+
+
 def test_plain_sdpa_call_under_the_mode():
   # F.scaled_dot_product_attention called directly: causal, padding masks
   # (bool and additive), a decode row; each sequence's rows are its own.
@@ -140,13 +153,7 @@ def test_plain_sdpa_call_under_the_mode():
   with rtb.batch_invariant_mode():
     full = sdpa(q, k, v, attn_mask=mask)
     same = sdpa(q, k, v, attn_mask=additive)
-    for i in range(b):
-      st = int(starts[i])
-      alone = sdpa(q[i:i + 1, :, st:], k[i:i + 1, :, st:], v[i:i + 1, :, st:],
-                   is_causal=True)
-      _assert_bits(full[i, :, st:], alone[0], f"sequence {i} padded vs alone")
-      decode = sdpa(q[i:i + 1, :, -1:], k[i:i + 1, :, st:], v[i:i + 1, :, st:])
-      _assert_bits(decode[0, :, 0], alone[0, :, -1], f"sequence {i} decode")
+    _assert_sequences_alone_and_decoding(q, k, v, starts, full)
   _assert_bits(same, full, "additive vs bool mask")
   ref = torch.nn.functional.scaled_dot_product_attention(
       q.double(), k.double(), v.double(), attn_mask=mask)
@@ -358,13 +365,7 @@ def test_head_dims_it_pads(dims):
   sdpa = torch.nn.functional.scaled_dot_product_attention
   with rtb.batch_invariant_mode():
     full = sdpa(q, k, v, attn_mask=mask)
-    for i in range(b):
-      st = int(starts[i])
-      alone = sdpa(q[i:i + 1, :, st:], k[i:i + 1, :, st:], v[i:i + 1, :, st:],
-                   is_causal=True)
-      _assert_bits(full[i, :, st:], alone[0], f"sequence {i} padded vs alone")
-      decode = sdpa(q[i:i + 1, :, -1:], k[i:i + 1, :, st:], v[i:i + 1, :, st:])
-      _assert_bits(decode[0, :, 0], alone[0, :, -1], f"sequence {i} decode")
+    _assert_sequences_alone_and_decoding(q, k, v, starts, full)
   assert not [f for f in rtb.fallthroughs() if "head dim" in f[1]]
   ref = sdpa(q.double(), k.double(), v.double(), attn_mask=mask)
   rows = (cols[None] >= starts[:, None])[:, None, :, None].expand_as(ref)
