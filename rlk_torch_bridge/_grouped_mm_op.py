@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from rlk_torch_bridge import _gemm_op, _library
 from rlk_torch_bridge._gemm_op import det_mm
 
 
@@ -69,8 +70,9 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, g):
-  # Each expert's products as det_gemm's own backward runs them: dA rows
-  # row-invariant, dB[e] a fixed-order sum over that expert's rows.
+  # Each expert's products as det_mm's own backward runs them (dB[e] its
+  # transposed product, aᵀ read in place): dA rows row-invariant, dB[e] a
+  # fixed-order sum over that expert's rows.
   a, b, offs = ctx.saved_tensors
   impl = ctx.implementation
   need_a, need_b = ctx.needs_input_grad[:2]
@@ -85,7 +87,8 @@ def _backward(ctx, g):
       w, transpose = _expert_weight(b, e)
       da[start:end] = det_mm(g_rows, w, not transpose, a.dtype, impl)
     if need_b:
-      db[e] = det_mm(rows.t().contiguous(), g_rows, False, b.dtype, impl)
+      db[e] = _library.below_autograd(_gemm_op.OP, rows, g_rows, True, False,
+                                      b.dtype, impl)
   return da, db, None, None, None
 
 

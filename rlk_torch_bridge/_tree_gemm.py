@@ -133,14 +133,15 @@ def tree_gemm(a, b, *, transpose_b, out_dtype, implementation, chunks,
   check_tensor("det_gemm", "a", a)
   check_tensor("det_gemm", "b", b)
   check_same_device("det_gemm", a=a, b=b)
+  k_ranks, n_ranks = _process_group.size(k_group), _process_group.size(n_group)
   key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, transpose_b,
-         implementation, chunks, _process_group.size(k_group), _process_group.size(n_group), whole_k,
-         whole_n, a.device, cuda_ffi.generation())
+         implementation, chunks, k_ranks, n_ranks, whole_k, whole_n, a.device,
+         cuda_ffi.generation())
   # The checks and the implementation choice are the signature's: worked
   # out once (a decode step's layer waits on the host otherwise).
   impl = _gemm_routes.cached(_PLANS, key, a, lambda: _plan_call(
-      a, b, transpose_b, out_dtype, implementation, chunks, _process_group.size(k_group),
-      _process_group.size(n_group), whole_k, whole_n))
+      a, b, transpose_b, out_dtype, implementation, chunks, k_ranks, n_ranks,
+      whole_k, whole_n))
   lead = a.shape[:-1]
   a2 = a.reshape(-1, a.shape[-1])
   if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):

@@ -298,10 +298,11 @@ def _positional(func, args, kwargs):
 # The products of the innermost open mode, for the grouped-product entry
 # points below (process-wide, as transformers_attention's patch is).
 _open_modes: list = []
-_GROUPED_NAMES = ((torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm"))
-_grouped_originals: dict = {}
-_GROUPED_BUILTINS = tuple(getattr(m, n) for m, n in _GROUPED_NAMES
-                          if hasattr(m, n))
+# (module, name, torch's function) of each grouped-product entry point.
+_GROUPED = tuple((m, n, getattr(m, n)) for m, n in (
+    (torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm"))
+                 if hasattr(m, n))
+_GROUPED_BUILTINS = tuple(f for _, _, f in _GROUPED)
 
 
 def _grouped_entry(original):
@@ -323,11 +324,8 @@ def _grouped_entry(original):
 
 def _open(products) -> None:
   if not _open_modes:
-    for module, name in _GROUPED_NAMES:
-      original = getattr(module, name, None)
-      if original is not None:
-        _grouped_originals[(module, name)] = original
-        setattr(module, name, _grouped_entry(original))
+    for module, name, original in _GROUPED:
+      setattr(module, name, _grouped_entry(original))
   _open_modes.append(products)
 
 
@@ -335,9 +333,8 @@ def _close(products) -> None:
   if products in _open_modes:
     _open_modes.remove(products)
   if not _open_modes:
-    for (module, name), original in _grouped_originals.items():
+    for module, name, original in _GROUPED:
       setattr(module, name, original)
-    _grouped_originals.clear()
 
 
 class BatchInvariantMode(TorchFunctionMode):

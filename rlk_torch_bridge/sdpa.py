@@ -117,13 +117,15 @@ def run_head_dim(d_qk: int, d_v: int) -> int | None:
   return next((d for d in _attention.HEAD_DIMS if d >= need), None)
 
 
-def padded(query, key, value):
-  """(q, k, v with head dims det_attention takes, v's own head dim)."""
-  d_v = value.shape[-1]
-  run_d = run_head_dim(query.shape[-1], d_v)
+def padded(query, key, value, scale):
+  """(q, k, v with head dims det_attention takes, the softmax scale of the
+  unpadded head dim, v's own head dim)."""
+  d, d_v = query.shape[-1], value.shape[-1]
+  run_d = run_head_dim(d, d_v)
   pad = lambda x: (x if x.shape[-1] == run_d else
                    torch.nn.functional.pad(x, (0, run_d - x.shape[-1])))
-  return pad(query), pad(key), pad(value), d_v
+  return (pad(query), pad(key), pad(value),
+          1.0 / math.sqrt(d) if scale is None else scale, d_v)
 
 
 def _seen_and_hidden(mask: torch.Tensor):
@@ -161,10 +163,8 @@ def attention(query, key, value, attn_mask=None, scale=None, *, sliding_window=N
   padded with zeros (``run_head_dim``)."""
   if not (query.shape[-1] == key.shape[-1] == value.shape[-1]
           and query.shape[-1] in _attention.HEAD_DIMS):
-    d = query.shape[-1]
-    q, k, v, d_v = padded(query, key, value)
-    out = attention(q, k, v, attn_mask, 1.0 / math.sqrt(d) if scale is None
-                    else scale, sliding_window=sliding_window,
+    q, k, v, scale, d_v = padded(query, key, value, scale)
+    out = attention(q, k, v, attn_mask, scale, sliding_window=sliding_window,
                     softcap=softcap, position_ids=position_ids, check=check,
                     implementation=implementation)
     return None if out is None else out[..., :d_v]

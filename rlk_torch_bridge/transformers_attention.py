@@ -31,7 +31,6 @@ layout on those boundaries.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -104,25 +103,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                       fallback, implementation_name, **kwargs):
   """A transformers attention function on det_attention: returns
   ``(out [B, n, Hq, D], None)``."""
-  reason = _reason(module, query, key, value, attention_mask, dropout, kwargs)
-  if reason is not None:
+  def model_function(reason):
     report_fallthrough(
         f"transformers attention {implementation_name!r}", reason)
     return fallback(module, query, key, value, attention_mask,
                     dropout=dropout, scaling=scaling,
                     sliding_window=sliding_window, softcap=softcap, **kwargs)
+
+  reason = _reason(module, query, key, value, attention_mask, dropout, kwargs)
+  if reason is not None:
+    return model_function(reason)
   # transformers' SDPA function drops softcap (SDPA has none): keep the
   # model's arithmetic as its implementation defines it.
   if implementation_name == "sdpa":
     softcap = None
   cu = kwargs.get("cu_seq_lens_q")
   if cu is not None:
-    if scaling is None:
-      scaling = 1.0 / math.sqrt(query.shape[-1])
-    q, k, v, d_v = sdpa.padded(query, key, value)
+    q, k, v, scale, d_v = sdpa.padded(query, key, value, scaling)
     out = det_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
                         v[0].transpose(0, 1), cu_seqlens=cu,
-                        scale=scaling, sliding_window=sliding_window,
+                        scale=scale, sliding_window=sliding_window,
                         softcap=softcap)
     return out[None, ..., :d_v], None
   # Eager calls check the mask on the host and leave one det_attention
@@ -132,12 +132,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                        softcap=softcap, position_ids=kwargs.get("position_ids"),
                        check="device" if torch.compiler.is_compiling() else "host")
   if out is None:
-    report_fallthrough(f"transformers attention {implementation_name!r}",
-                       "a mask that is not causal with padding and the "
-                       "module's window")
-    return fallback(module, query, key, value, attention_mask,
-                    dropout=dropout, scaling=scaling,
-                    sliding_window=sliding_window, softcap=softcap, **kwargs)
+    return model_function("a mask that is not causal with padding and the "
+                          "module's window")
   return out, None
 
 
