@@ -14,14 +14,23 @@ compiled model keeps it as one opaque call, as transformers does its
 fallback. Rows past the last group's end come back 0. (The read is a
 host sync: a CUDA-graph capture of an MoE layer under the mode fails
 there, with torch's error, rather than replay stale group ends.)
+
+With implementation ``"triton"`` on a GPU the three products are instead
+one launch each of ``triton_kernels.grouped_matmul``: the groups read on
+the device from a tile map, no host sync and no launch per expert, the
+bits of the Triton det_gemm on each expert's rows.
 """
 
+import functools
 from typing import Optional
 
 import torch
 
-from rlk_torch_bridge import _gemm_op, _library
+from rlk_jax import _gemm_tuning
+from rlk_torch_bridge import _attention_rows, _gemm_op, _library
+from rlk_torch_bridge._checks import jax_dtype
 from rlk_torch_bridge._gemm_op import det_mm
+from rlk_torch_bridge._torch_stream import on_device_of
 
 
 def _expert_weight(b: torch.Tensor, e: int):
@@ -40,10 +49,80 @@ def _groups(offs: torch.Tensor):
     start = max(start, end)
 
 
+def _on_grouped_kernel(a, implementation) -> bool:
+  """Whether the grouped Triton kernels run this call: CUDA tensors with
+  implementation ``"triton"`` named. (Not yet chosen unasked: the kernels
+  are checked in Triton's interpreter, and their GPU test and timing
+  against the per-expert Hopper products have not run.)"""
+  if not a.is_cuda or implementation != "triton":
+    return False
+  from triton_kernels import backend
+  return backend.triton is not None
+
+
+def _device_groups(offs: torch.Tensor):
+  """(starts, ends) int32 on the device, no host read: expert e's rows are
+  ``starts[e]:ends[e]``, `_groups`' reading of `offs` (a group ending
+  before an earlier one's end is empty)."""
+  ends = offs.to(torch.int32)
+  starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
+  return starts.contiguous(), torch.maximum(ends, starts).contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _config(m, n, k, transpose_a, transpose_b, dtype, device: str):
+  """det_gemm's Triton tile config for a product (on a GPU its shipped
+  table, by torch's name for the device: no JAX backend started here)."""
+  return _gemm_tuning.choose_pallas_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+      dtype=jax_dtype(dtype), device=device)
+
+
+def _device_name(t: torch.Tensor) -> str:
+  return torch.cuda.get_device_name(t.device) if t.is_cuda else t.device.type
+
+
+@on_device_of
+def grouped_product(a, b, offs, transpose_b: bool, out_dtype):
+  """``out[r] = a[r] @ op(b[e])`` for each row r of expert e, rows past the
+  last group 0: one grouped Triton launch. b ``[E, K, N]`` (``[E, N, K]``
+  with `transpose_b`) is read through its strides, in place."""
+  from triton_kernels import grouped_matmul
+  e = b.shape[0]
+  k, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
+  config = _config(max(1, a.shape[0] // e), n, k, False, False, a.dtype,
+                   _device_name(a))
+  starts, ends = _device_groups(offs)
+  # Each expert's row tiles in order, as det_attention numbers a
+  # sequence's query tiles.
+  tiles = _attention_rows.tile_map(
+      ends - starts, config.block_m,
+      grouped_matmul.tile_bound(a.shape[0], e, config.block_m))
+  out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
+  return grouped_matmul.grouped_matmul_torch(
+      a.contiguous(), b, out, tiles, starts, ends, transpose_b=transpose_b,
+      config=config)
+
+
+@on_device_of
+def grouped_weight_grad(a, g, offs, dtype):
+  """``db[e] = a[rows of e]^T @ g[rows of e]``: one grouped Triton launch."""
+  from triton_kernels import grouped_matmul
+  e = offs.shape[0]
+  config = _config(a.shape[1], g.shape[1], max(1, a.shape[0] // e), True,
+                   False, a.dtype, _device_name(a))
+  starts, ends = _device_groups(offs)
+  db = torch.empty((e, a.shape[1], g.shape[1]), dtype=dtype, device=a.device)
+  return grouped_matmul.grouped_weight_grad_torch(a, g, db, starts, ends,
+                                                  config=config)
+
+
 @torch.library.custom_op("rlk::det_grouped_mm", mutates_args=())
 def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                    out_dtype: torch.dtype, implementation: Optional[str]
                    ) -> torch.Tensor:
+  if _on_grouped_kernel(a, implementation):
+    return grouped_product(a, b, offs, False, out_dtype)
   out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=out_dtype)
   with torch.no_grad():
     for e, start, end in _groups(offs):
@@ -76,9 +155,16 @@ def _backward(ctx, g):
   a, b, offs = ctx.saved_tensors
   impl = ctx.implementation
   need_a, need_b = ctx.needs_input_grad[:2]
+  g = g.to(a.dtype)
+  if _on_grouped_kernel(a, impl):
+    # The grouped kernels: dA rows g @ b[e]^T (b read transposed, in
+    # place), dB[e] each expert's own sum over its rows.
+    da = grouped_product(g, b, offs, True, a.dtype) if need_a else None
+    db = grouped_weight_grad(a, g.contiguous(), offs, b.dtype) \
+        if need_b else None
+    return da, db, None, None, None
   da = torch.zeros_like(a) if need_a else None
   db = torch.zeros(b.shape, dtype=b.dtype, device=b.device) if need_b else None
-  g = g.to(a.dtype)
   for e, start, end in _groups(offs):
     if end <= start:
       continue

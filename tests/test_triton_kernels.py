@@ -304,3 +304,144 @@ def test_row_mean_rows_alone_equal_their_batch(k, dtype, rng):
   ref = x.double().mean(-1)
   tol = 1e-6 if dtype == "float32" else 8e-3
   assert float((batch.double() - ref).norm() / ref.norm()) < tol
+
+
+def _experts(rng, counts, k, n, transposed):
+  """a [S, K] sorted by expert (`counts` rows each, then 3 rows in no
+  group), b [E, K, N] (a transposed view of [E, N, K] storage if
+  `transposed`, as transformers hands its experts over), offs [E]."""
+  s = sum(counts) + 3
+  a = torch.from_numpy(rng.standard_normal((s, k), np.float32)).bfloat16()
+  w = torch.from_numpy(rng.standard_normal((len(counts), k, n), np.float32))
+  b = w.transpose(1, 2).contiguous().bfloat16().transpose(1, 2) \
+      if transposed else w.bfloat16()
+  offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+  return a, b, offs
+
+
+def _groups(offs):
+  start = 0
+  for e, end in enumerate(offs.tolist()):
+    yield e, start, end
+    start = end
+
+
+# Ragged groups, an empty one, one longer than a tile (SMALL: 32 rows).
+COUNTS = (5, 0, 41, 1, 17)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("k", [128, 200])
+def test_grouped_products_are_det_matmul_per_expert_bitwise(transposed, k,
+                                                            rng):
+  # The forward, dA (b read transposed) and dB of a mixture of experts in
+  # one launch each, groups read from device tensors, against det_matmul on
+  # each expert's rows alone: the same bits (f32 out, so no rounding hides
+  # an ulp), and 0 in rows of no group.
+  from rlk_torch_bridge import _attention_rows, _grouped_mm_op
+  from triton_kernels import grouped_matmul
+  n = 48
+  a, b, offs = _experts(rng, COUNTS, k, n, transposed)
+  g = torch.from_numpy(rng.standard_normal((a.shape[0], n),
+                                           np.float32)).bfloat16()
+  starts, ends = _grouped_mm_op._device_groups(offs)
+  tiles = _attention_rows.tile_map_ops(
+      ends - starts, SMALL.block_m,
+      grouped_matmul.tile_bound(a.shape[0], len(COUNTS), SMALL.block_m))
+  out = torch.full((a.shape[0], n), 7.0)
+  grouped_matmul.grouped_matmul_torch(a, b, out, tiles, starts, ends,
+                                      transpose_b=False, config=SMALL)
+  da = torch.full((a.shape[0], k), 7.0)
+  grouped_matmul.grouped_matmul_torch(g, b, da, tiles, starts, ends,
+                                      transpose_b=True, config=SMALL)
+  db = torch.full(b.shape, 7.0)
+  grouped_matmul.grouped_weight_grad_torch(a, g, db, starts, ends,
+                                           config=SMALL)
+  for e, start, end in _groups(offs):
+    rows, g_rows, w = a[start:end], g[start:end], b[e].contiguous()
+    if end == start:
+      assert not db[e].any(), "an expert with no rows has a zero gradient"
+      continue
+    want = run(rows.contiguous(), w, end - start, n, False, False, SMALL)
+    assert torch.equal(out[start:end].view(torch.int32),
+                       want.view(torch.int32)), e
+    want = run(g_rows.contiguous(), w, end - start, k, False, True, SMALL)
+    assert torch.equal(da[start:end].view(torch.int32),
+                       want.view(torch.int32)), e
+    want = run(rows.contiguous(), g_rows.contiguous(), k, n, True, False,
+               SMALL)
+    assert torch.equal(db[e].view(torch.int32), want.view(torch.int32)), e
+  # Rows past the last group are in no tile: left as they were.
+  assert (out[int(offs[-1]):] == 7).all() and (da[int(offs[-1]):] == 7).all()
+  want = (a[:int(offs[-1])].double().unsqueeze(1)
+          @ b.double()[torch.repeat_interleave(
+              torch.arange(len(COUNTS)), torch.tensor(COUNTS))]).squeeze(1)
+  err = float((out[:int(offs[-1])].double() - want).norm() / want.norm())
+  assert err < 1e-6, err
+
+
+def test_a_rows_grouped_bits_do_not_depend_on_the_other_experts(rng):
+  # A row's output is its expert's product on it alone: other experts'
+  # row counts (and so the tile map) move no bit of it.
+  from rlk_torch_bridge import _attention_rows, _grouped_mm_op
+  from triton_kernels import grouped_matmul
+  k, n = 96, 40
+  a, b, _ = _experts(rng, (10, 30, 6), k, n, False)
+
+  def product(counts):
+    offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+    starts, ends = _grouped_mm_op._device_groups(offs)
+    tiles = _attention_rows.tile_map_ops(
+        ends - starts, SMALL.block_m,
+        grouped_matmul.tile_bound(a.shape[0], 3, SMALL.block_m))
+    out = torch.zeros((a.shape[0], n))
+    return grouped_matmul.grouped_matmul_torch(
+        a, b, out, tiles, starts, ends, transpose_b=False, config=SMALL)
+
+  base = product((10, 30, 6))
+  # Rows 0..9 stay expert 0's; expert 1 and 2 swap sizes around them.
+  for counts in ((10, 6, 30), (10, 0, 36), (10, 36, 0)):
+    assert torch.equal(product(counts)[:10].view(torch.int32),
+                       base[:10].view(torch.int32)), counts
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_det_grouped_mm_on_the_grouped_kernels_forward_and_gradients(
+    transposed, monkeypatch, rng):
+  # rlk::det_grouped_mm's route on a GPU whose det_gemm runs Triton (here
+  # forced, in the interpreter): its forward and both gradients through
+  # autograd equal det_matmul on each expert's rows with the configs the
+  # route names, bit for bit.
+  from rlk_torch_bridge import _grouped_mm_op
+  monkeypatch.setattr(_grouped_mm_op, "_on_grouped_kernel",
+                      lambda *_: True)
+  k, n = 128, 56
+  a, b, offs = _experts(rng, COUNTS, k, n, transposed)
+  a.requires_grad_(True)
+  b.requires_grad_(True)
+  g = torch.from_numpy(rng.standard_normal((a.shape[0], n),
+                                           np.float32)).bfloat16()
+  out = _grouped_mm_op.det_grouped_mm(a, b, offs, torch.float32, None)
+  out.backward(g.float())
+  rows_each = max(1, a.shape[0] // len(COUNTS))
+  config = lambda *s: _grouped_mm_op._config(*s, torch.bfloat16, "cpu")
+  fwd, d_a = config(rows_each, n, k, False, False), config(rows_each, k, n,
+                                                           False, False)
+  d_b = config(k, n, rows_each, True, False)
+  for e, start, end in _groups(offs):
+    if end == start:
+      assert not b.grad[e].any()
+      continue
+    rows, g_rows = a[start:end].detach(), g[start:end]
+    w = b[e].detach().contiguous()
+    bits = lambda t: t.contiguous().view(torch.int32 if t.dtype ==
+                                         torch.float32 else torch.int16)
+    assert torch.equal(bits(out[start:end].detach()),
+                       bits(run(rows, w, end - start, n, False, False, fwd)))
+    want = run(g_rows.contiguous(), w, end - start, k, False, True, d_a,
+               torch.bfloat16)
+    assert torch.equal(bits(a.grad[start:end]), bits(want)), e
+    want = run(rows.contiguous(), g_rows.contiguous(), k, n, True, False,
+               d_b, torch.bfloat16)
+    assert torch.equal(bits(b.grad[e]), bits(want)), e
+  assert not out[int(offs[-1]):].any() and not a.grad[int(offs[-1]):].any()
