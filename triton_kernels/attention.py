@@ -56,7 +56,8 @@ import functools
 import math
 
 from triton_kernels import jax_launch
-from triton_kernels.backend import cdiv, interpreted, Launcher, tl, triton
+from triton_kernels.backend import (cdiv, interpreted, Launcher,
+                                    next_power_of_2, tl, triton)
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
@@ -702,6 +703,14 @@ if triton is not None:
   _launch_fwd = Launcher(_fwd_kernel)
   _launch_split = Launcher(_fwd_split_kernel)
   _launch_combine = Launcher(_fwd_combine_kernel)
+  # The backward's and the bookkeeping's launches from torch: a training
+  # step's attention calls are a handful of launches each, and Triton's own
+  # launch binds every argument again (tens of µs of host time each).
+  _launch_delta = Launcher(_bwd_delta_kernel)
+  _launch_dq = Launcher(_bwd_dq_kernel)
+  _launch_dkdv = Launcher(_bwd_dkdv_kernel)
+  _launch_tile_map = Launcher(_tile_map_kernel)
+  _launch_fill_outside = Launcher(_fill_outside_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -986,9 +995,9 @@ def delta_torch(out, g):
   import torch
   tq, hq, d = out.shape
   delta = torch.empty((tq, hq), dtype=torch.float32, device=out.device)
-  _bwd_delta_kernel[(cdiv(tq * hq, _DELTA_BLOCK),)](
-      out, g, delta, tq * hq, hq * d, d, hq * d, d, hq, HEAD_DIM=d,
-      BLOCK=_DELTA_BLOCK, num_warps=4)
+  _launch_delta.launch(
+      (cdiv(tq * hq, _DELTA_BLOCK),), out, g, delta, tq * hq, hq * d, d,
+      hq * d, d, hq, HEAD_DIM=d, BLOCK=_DELTA_BLOCK, num_warps=4)
   return delta
 
 
@@ -996,9 +1005,10 @@ def dq_torch(q, k, v, g, lse, delta, seqs, q_tiles, dq, statics: Statics,
              config: AttentionConfig):
   """Writes dq (rows as `forward_torch` reads q) and returns it."""
   dq_m, dq_n, dq_warps, dq_stages = config.dq_tiles()
-  _bwd_dq_kernel[(q_tiles.shape[1], q.shape[1])](
-      q, k, v, g, lse, delta, seqs, q_tiles, dq, seqs.shape[1],
-      *row_strides(q, k, v, g), q.shape[1], *row_strides(dq),
+  _launch_dq.launch(
+      (q_tiles.shape[1], q.shape[1]), q, k, v, g, lse, delta, seqs, q_tiles,
+      dq, seqs.shape[1], *row_strides(q, k, v, g), q.shape[1],
+      *row_strides(dq),
       num_warps=dq_warps, num_stages=dq_stages, BLOCK_M=dq_m, BLOCK_N=dq_n,
       INTERPRETED=interpreted(), **_bwd_meta(statics))
   return dq
@@ -1011,9 +1021,10 @@ def backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles, dq, dk, dv,
   with k's and v's row numbering: `seqs` counts both)."""
   hq = q.shape[1]
   delta = delta_torch(out, g)
-  _bwd_dkdv_kernel[(k_tiles.shape[1], k.shape[-2])](
-      q, k, v, g, lse, delta, seqs, k_tiles, dk, dv, seqs.shape[1],
-      *row_strides(q, k, v, g), hq, *row_strides(dk, dv),
+  _launch_dkdv.launch(
+      (k_tiles.shape[1], k.shape[-2]), q, k, v, g, lse, delta, seqs,
+      k_tiles, dk, dv, seqs.shape[1], *row_strides(q, k, v, g), hq,
+      *row_strides(dk, dv),
       num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
       BLOCK_M=config.bwd_block_m, BLOCK_N=config.bwd_block_n,
       INTERPRETED=interpreted(), **_bwd_meta(statics))
@@ -1034,11 +1045,11 @@ def tile_map_torch(lengths, rows_per_tile: int, n_tiles: int):
   import torch
   n = lengths.shape[0]
   out = torch.empty((2, n_tiles), dtype=torch.int32, device=lengths.device)
-  block_s = max(16, triton.next_power_of_2(n))
+  block_s = max(16, next_power_of_2(n))
   block_t = max(16, min(128, 16384 // block_s))
-  _tile_map_kernel[(cdiv(n_tiles, block_t),)](
-      lengths, out, n, n_tiles, ROWS=rows_per_tile, BLOCK_S=block_s,
-      BLOCK_T=block_t, num_warps=4)
+  _launch_tile_map.launch(
+      (cdiv(n_tiles, block_t),), lengths, out, n, n_tiles,
+      ROWS=rows_per_tile, BLOCK_S=block_s, BLOCK_T=block_t, num_warps=4)
   return out
 
 
@@ -1056,12 +1067,13 @@ def fill_outside_torch(x, starts, lengths, n_rows: int, value: float):
   # x.shape[1] of them tokens.
   period, tokens = ((x.stride(0) // x.stride(1), x.shape[1]) if x.ndim == 4
                     else (n_rows, n_rows))
-  block_s = max(16, triton.next_power_of_2(starts.shape[0]))
+  block_s = max(16, next_power_of_2(starts.shape[0]))
   block_r = max(1, min(64, 8192 // block_s))
-  _fill_outside_kernel[(cdiv(n_rows, block_r),)](
-      x, starts, lengths, starts.shape[0], n_rows, max(period, 1), tokens,
-      stride_r, stride_h, heads * d, float(value), HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=block_s,
-      BLOCK_C=min(1024, triton.next_power_of_2(heads * d)), num_warps=4)
+  _launch_fill_outside.launch(
+      (cdiv(n_rows, block_r),), x, starts, lengths, starts.shape[0], n_rows,
+      max(period, 1), tokens, stride_r, stride_h, heads * d, float(value),
+      HEAD_DIM=d, BLOCK_R=block_r, BLOCK_S=block_s,
+      BLOCK_C=min(1024, next_power_of_2(heads * d)), num_warps=4)
   return x
 
 

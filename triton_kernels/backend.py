@@ -14,7 +14,7 @@ except ImportError as e:  # noqa: F841 - reported by unavailable_reason
   IMPORT_ERROR = f"triton is not installed ({e})"
 
 __all__ = ["triton", "tl", "IMPORT_ERROR", "unavailable_reason", "jax_triton",
-           "interpreted", "cdiv"]
+           "interpreted", "cdiv", "next_power_of_2"]
 
 
 def jax_triton():
@@ -38,6 +38,13 @@ def cdiv(a: int, b: int) -> int:
   function in Triton 3.6, ~8 µs a call from the host (H200, 2026-11-29),
   which an eager decode step pays per launch."""
   return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+  """The least power of two >= n (1 for n <= 1), for host code:
+  ``triton.next_power_of_2`` is a constexpr function, as slow as ``cdiv``'s
+  (above) from the host."""
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def interpreted() -> bool:
@@ -131,6 +138,12 @@ class Launcher:
     g = tuple(grid) + (1,) * (3 - len(grid))
     compiled.run(g[0], g[1], g[2], stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *tail)
+
+  def launch(self, grid, *args, **kwargs):
+    """``__call__`` keyed by every keyword given (constexprs and launch
+    options, all of them, so no two compilations share a key): for call
+    sites that pass them all by keyword."""
+    self(grid, tuple(kwargs.items()), *args, **kwargs)
 
   def prepared(self, grid, key, scalars, **kwargs):
     """``launch(*tensors)`` for calls that differ from one another in their

@@ -93,32 +93,30 @@ if triton is not None:
   _launch_weight_grad = Launcher(_weight_grad_kernel)
 
 
-def _options(config, k=None):
+def _meta(config, k=None):
   meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-              BLOCK_K=config.block_k, INTERPRETED=interpreted())
+              BLOCK_K=config.block_k, INTERPRETED=interpreted(),
+              num_warps=config.num_warps, num_stages=config.num_stages)
   if k is not None:
     meta["EVEN_K"] = k % config.block_k == 0
-  return meta, (tuple(meta.items()), config.num_warps, config.num_stages)
+  return meta
 
 
 def grouped_matmul_torch(a, b, out, tiles, starts, ends, *, transpose_b: bool,
                          config):
   """Writes ``a[r] @ op(b[e])`` into ``out[r]`` for every row r of every
   expert e (`tiles`: ``[2, T]`` int32, T row tiles of ``config.block_m``
-  rows; `starts`, `ends`: int32 ``[E]``). a ``[S, K]`` with unit column
-  stride, b ``[E, K, N]`` (``[E, N, K]`` if `transpose_b`) read through its
-  strides, out ``[S, N]``; rows in no tile are left as they are."""
+  rows; `starts`, `ends`: int32 ``[E]``). a ``[S, K]``, b ``[E, K, N]``
+  (``[E, N, K]`` if `transpose_b`) and out ``[S, N]`` are read through
+  their strides; rows in no tile are left as they are."""
   n = b.shape[-2] if transpose_b else b.shape[-1]
   k = a.shape[1]
   bk, bn = (b.stride(2), b.stride(1)) if transpose_b else (b.stride(1),
                                                            b.stride(2))
-  meta, key = _options(config, k)
-  grid = (tiles.shape[1], cdiv(n, config.block_n))
-  _launch_grouped(grid, key, a, b, out, tiles, starts, ends, n, k,
-                  tiles.shape[1], a.stride(0), a.stride(1), b.stride(0), bk,
-                  bn, out.stride(0), out.stride(1),
-                  num_warps=config.num_warps, num_stages=config.num_stages,
-                  **meta)
+  _launch_grouped.launch(
+      (tiles.shape[1], cdiv(n, config.block_n)), a, b, out, tiles, starts,
+      ends, n, k, tiles.shape[1], a.stride(0), a.stride(1), b.stride(0), bk,
+      bn, out.stride(0), out.stride(1), **_meta(config, k))
   return out
 
 
@@ -127,10 +125,8 @@ def grouped_weight_grad_torch(a, g, db, starts, ends, *, config):
   for every expert (a ``[S, KD]``, g ``[S, N]``, db ``[E, KD, N]``, any
   strides): each expert's sum over its own rows, from its first."""
   kd, n = a.shape[1], g.shape[1]
-  meta, key = _options(config)
-  grid = (cdiv(kd, config.block_m) * cdiv(n, config.block_n), db.shape[0])
-  _launch_weight_grad(grid, key, a, g, db, starts, ends, kd, n, a.stride(0),
-                      a.stride(1), g.stride(0), g.stride(1), db.stride(0),
-                      db.stride(1), db.stride(2), num_warps=config.num_warps,
-                      num_stages=config.num_stages, **meta)
+  _launch_weight_grad.launch(
+      (cdiv(kd, config.block_m) * cdiv(n, config.block_n), db.shape[0]), a,
+      g, db, starts, ends, kd, n, a.stride(0), a.stride(1), g.stride(0),
+      g.stride(1), db.stride(0), db.stride(1), db.stride(2), **_meta(config))
   return db
