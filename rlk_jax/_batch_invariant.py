@@ -72,6 +72,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import math
 
 import jax
 import jax.extend.core as jex
@@ -213,14 +214,21 @@ def _dot_takes(eqn) -> str | None:
   return None
 
 
+def _sum_is_row_sum(eqn) -> bool:
+  x = eqn.invars[0].aval
+  return _is_float(x) and tuple(eqn.params["axes"]) == (x.ndim - 1,)
+
+
 def _sum_takes(eqn) -> str | None:
   """Why a float reduce_sum is left to XLA (None: it is rewritten, or it
-  is an integer sum, exact in any order)."""
+  is exact in any order: an integer sum, or one addend a result)."""
   x = eqn.invars[0].aval
   axes = tuple(eqn.params["axes"])
-  if not _is_float(x):
-    return None  # integer sums are exact: any order gives the same bits
-  if axes == (x.ndim - 1,):
+  if not _is_float(x) or _sum_is_row_sum(eqn):
+    return None
+  if math.prod(x.shape[a] for a in axes) <= 1:
+    # A size-1 axis summed away (an einsum's index that only one operand
+    # has, such as Tunix's MoE dispatch 'BTID,BTEK->BTED' with I = 1).
     return None
   return f"reduce_sum over axes {axes} of a rank-{x.ndim} array"
 
@@ -275,8 +283,7 @@ def _rewritten(eqn) -> str | None:
   name = eqn.primitive.name
   if name == "dot_general" and _dot_takes(eqn) is None:
     return "dot"
-  if (name == "reduce_sum" and _is_float(eqn.invars[0].aval)
-      and _sum_takes(eqn) is None):
+  if name == "reduce_sum" and _sum_is_row_sum(eqn):
     return "row_sum"
   if (name == "scatter-add" and _is_float(eqn.invars[0].aval)
       and _scatter_takes(eqn) is None):

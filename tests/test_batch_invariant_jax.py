@@ -239,7 +239,9 @@ def test_report_names_what_it_left():
                 lambda res, g: (g @ res[1].T, res[0].T @ g))
 
   def f(x, w, n):
-    return (custom(x, w), n @ n, jnp.sum(x, axis=0), jnp.sum(x @ w, -1))
+    # (A sum over a size-1 axis has one addend: exact, and not reported.)
+    return (custom(x, w), n @ n, jnp.sum(x, axis=0), jnp.sum(x @ w, -1),
+            jnp.sum(x[:, None, :], axis=1))
   x = jnp.ones((3, 4))
   w = jnp.ones((4, 2))
   n = jnp.ones((2, 2), jnp.int32)
