@@ -60,11 +60,12 @@ def _on_grouped_kernel(a, implementation) -> bool:
   return backend.triton is not None
 
 
-def _device_groups(offs: torch.Tensor):
+def _device_groups(offs: torch.Tensor, rows: int):
   """(starts, ends) int32 on the device, no host read: expert e's rows are
   ``starts[e]:ends[e]``, `_groups`' reading of `offs` (a group ending
-  before an earlier one's end is empty)."""
-  ends = offs.to(torch.int32)
+  before an earlier one's end is empty), cut at the `rows` rows there are
+  (as the loop's slices of them are)."""
+  ends = offs.to(torch.int32).clamp(0, rows)
   starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
   return starts.contiguous(), torch.maximum(ends, starts).contiguous()
 
@@ -90,9 +91,9 @@ def grouped_product(a, b, offs, transpose_b: bool, out_dtype):
   from triton_kernels import grouped_matmul
   e = b.shape[0]
   k, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
-  config = _config(max(1, a.shape[0] // e), n, k, False, False, a.dtype,
-                   _device_name(a))
-  starts, ends = _device_groups(offs)
+  config = _config(max(1, a.shape[0] // max(1, e)), n, k, False, False,
+                   a.dtype, _device_name(a))
+  starts, ends = _device_groups(offs, a.shape[0])
   # Each expert's row tiles in order, as det_attention numbers a
   # sequence's query tiles.
   tiles = _attention_rows.tile_map(
@@ -109,9 +110,9 @@ def grouped_weight_grad(a, g, offs, dtype):
   """``db[e] = a[rows of e]^T @ g[rows of e]``: one grouped Triton launch."""
   from triton_kernels import grouped_matmul
   e = offs.shape[0]
-  config = _config(a.shape[1], g.shape[1], max(1, a.shape[0] // e), True,
-                   False, a.dtype, _device_name(a))
-  starts, ends = _device_groups(offs)
+  config = _config(a.shape[1], g.shape[1], max(1, a.shape[0] // max(1, e)),
+                   True, False, a.dtype, _device_name(a))
+  starts, ends = _device_groups(offs, a.shape[0])
   db = torch.empty((e, a.shape[1], g.shape[1]), dtype=dtype, device=a.device)
   return grouped_matmul.grouped_weight_grad_torch(a, g, db, starts, ends,
                                                   config=config)
@@ -121,6 +122,7 @@ def grouped_weight_grad(a, g, offs, dtype):
 def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                    out_dtype: torch.dtype, implementation: Optional[str]
                    ) -> torch.Tensor:
+  _check_shapes(a, b, offs)
   if _on_grouped_kernel(a, implementation):
     return grouped_product(a, b, offs, False, out_dtype)
   out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=out_dtype)
@@ -133,12 +135,19 @@ def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
   return out
 
 
+def _check_shapes(a, b, offs):
+  shapes = (f"rlk::det_grouped_mm takes a [S, K], b [E, K, N] and offs [E]; "
+            f"got a {tuple(a.shape)}, b {tuple(b.shape)}, offs "
+            f"{tuple(offs.shape)}")
+  torch._check(a.ndim == 2 and b.ndim == 3 and offs.ndim == 1,
+               lambda: shapes)
+  torch._check(a.shape[1] == b.shape[1] and offs.shape[0] == b.shape[0],
+               lambda: shapes)
+
+
 @det_grouped_mm.register_fake
 def _fake(a, b, offs, out_dtype, implementation):
-  torch._check(a.ndim == 2 and b.ndim == 3 and offs.ndim == 1,
-               lambda: "rlk::det_grouped_mm: a [S, K], b [E, K, N], offs [E]")
-  torch._check(a.shape[1] == b.shape[1],
-               lambda: f"rlk::det_grouped_mm: a {a.shape}, b {b.shape}")
+  _check_shapes(a, b, offs)
   return a.new_empty((a.shape[0], b.shape[-1]), dtype=out_dtype)
 
 

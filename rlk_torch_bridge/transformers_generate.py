@@ -27,6 +27,7 @@ import torch
 
 _installed = False
 _mode_type = None  # the batch-invariant mode's class, given by install
+_ABSENT = object()
 
 
 def _compiled(model, kwargs) -> bool:
@@ -60,14 +61,21 @@ def _experts_kept(model):
   2026-11-29). The grouped product is det_gemm on each expert's rows with
   the weights read in place, the call the prefill and the trainer make:
   the same bits, at a grouped product's cost."""
-  if not hasattr(model, "_optimize_model_for_decode"):
+  name = "_optimize_model_for_decode"
+  if not hasattr(model, name):
     yield
     return
-  model._optimize_model_for_decode = contextlib.nullcontext
+  # What the instance held before (a generate inside generate on the same
+  # model, transformers' early-exit assistant, sets it again): put back.
+  before = vars(model).get(name, _ABSENT)
+  setattr(model, name, contextlib.nullcontext)
   try:
     yield
   finally:
-    del model._optimize_model_for_decode
+    if before is _ABSENT:
+      vars(model).pop(name, None)
+    else:
+      setattr(model, name, before)
 
 
 @contextlib.contextmanager

@@ -437,3 +437,16 @@ def test_mode_runs_grouped_mm_one_det_gemm_per_expert(rng, stored):
   assert same_bits(got, out[5:14])
   assert same_bits(traced, out)
   assert "rlk.det_grouped_mm.default" in recorder.targets
+
+
+def test_det_grouped_mm_names_bad_shapes():
+  from rlk_torch_bridge._grouped_mm_op import det_grouped_mm
+  a = torch.randn(6, 8).bfloat16()
+  b = torch.randn(3, 8, 4).bfloat16()
+  with pytest.raises(RuntimeError, match=r"offs \(2,\)"):
+    det_grouped_mm(a, b, torch.tensor([2, 6], dtype=torch.int32),
+                   torch.bfloat16, None)
+  with pytest.raises(RuntimeError, match=r"b \(3, 7, 4\)"):
+    det_grouped_mm(a, torch.randn(3, 7, 4).bfloat16(),
+                   torch.tensor([2, 4, 6], dtype=torch.int32),
+                   torch.bfloat16, None)

@@ -344,7 +344,7 @@ def test_grouped_products_are_det_matmul_per_expert_bitwise(transposed, k,
   a, b, offs = _experts(rng, COUNTS, k, n, transposed)
   g = torch.from_numpy(rng.standard_normal((a.shape[0], n),
                                            np.float32)).bfloat16()
-  starts, ends = _grouped_mm_op._device_groups(offs)
+  starts, ends = _grouped_mm_op._device_groups(offs, a.shape[0])
   tiles = _attention_rows.tile_map_ops(
       ends - starts, SMALL.block_m,
       grouped_matmul.tile_bound(a.shape[0], len(COUNTS), SMALL.block_m))
@@ -390,7 +390,7 @@ def test_a_rows_grouped_bits_do_not_depend_on_the_other_experts(rng):
 
   def product(counts):
     offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
-    starts, ends = _grouped_mm_op._device_groups(offs)
+    starts, ends = _grouped_mm_op._device_groups(offs, a.shape[0])
     tiles = _attention_rows.tile_map_ops(
         ends - starts, SMALL.block_m,
         grouped_matmul.tile_bound(a.shape[0], 3, SMALL.block_m))
@@ -445,3 +445,25 @@ def test_det_grouped_mm_on_the_grouped_kernels_forward_and_gradients(
                d_b, torch.bfloat16)
     assert torch.equal(bits(b.grad[e]), bits(want)), e
   assert not out[int(offs[-1]):].any() and not a.grad[int(offs[-1]):].any()
+
+
+def test_grouped_kernels_cut_groups_at_the_rows_there_are(monkeypatch, rng):
+  # Group ends past a's rows, and a group ending before the one before it:
+  # the kernels' device-side groups read offs as the per-expert loop's
+  # slices do (a[start:end] stops at the last row; such a group is empty).
+  from rlk_torch_bridge import _grouped_mm_op
+  monkeypatch.setattr(_grouped_mm_op, "_on_grouped_kernel",
+                      lambda *_: True)
+  k, n, rows = 64, 40, 12
+  a = torch.from_numpy(rng.standard_normal((rows, k), np.float32)).bfloat16()
+  b = torch.from_numpy(rng.standard_normal((4, k, n), np.float32)).bfloat16()
+  offs = torch.tensor([4, 2, 9, 30], dtype=torch.int32)
+  got = _grouped_mm_op.det_grouped_mm(a, b, offs, torch.float32, None)
+  config = _grouped_mm_op._config(rows // 4, n, k, False, False,
+                                  torch.bfloat16, "cpu")
+  for e, (start, end) in enumerate(((0, 4), (4, 4), (4, 9), (9, 12))):
+    if end > start:
+      want = run(a[start:end].contiguous(), b[e].contiguous(), end - start,
+                 n, False, False, config)
+      assert torch.equal(got[start:end].view(torch.int32),
+                         want.view(torch.int32)), e
