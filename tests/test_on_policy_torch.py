@@ -432,3 +432,17 @@ def test_one_key_head_broadcasts_over_the_query_heads():
   assert not [f for f in rtb.fallthroughs() if "enable_gqa" in f[1]]
   ref = sdpa(q.double(), k.double(), v.double(), is_causal=True)
   assert (out.double() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_experts_stay_grouped_through_a_generate_inside_generate():
+  # transformers' early-exit assistant calls generate on the same model
+  # inside its generate: the inner call's exit must leave the outer's
+  # setting, and the last exit the model as it was.
+  from rlk_torch_bridge import transformers_generate
+  model = opc.build("qwen3_moe", "tiny")
+  kept = transformers_generate._experts_kept
+  with kept(model):
+    with kept(model):
+      assert model._optimize_model_for_decode is contextlib.nullcontext
+    assert model._optimize_model_for_decode is contextlib.nullcontext
+  assert "_optimize_model_for_decode" not in vars(model)
