@@ -40,7 +40,7 @@ ROUTES = ["det_attention", "products"]
 # products route, packs): CI's time.
 FAMILIES = ["llama3", "qwen2", "qwen3", "qwen3_moe"]
 DENSE = FAMILIES[:3]
-_MOE = dict(num_experts=4, num_experts_per_tok=2)
+_MOE = dict(num_experts=3, num_experts_per_tok=2)
 
 
 def _model(family):
