@@ -21,14 +21,12 @@ the device from a tile map, no host sync and no launch per expert, the
 bits of the Triton det_gemm on each expert's rows.
 """
 
-import functools
 from typing import Optional
 
 import torch
 
-from rlk_jax import _gemm_tuning
-from rlk_torch_bridge import _attention_rows, _gemm_op, _library
-from rlk_torch_bridge._checks import jax_dtype
+from rlk_torch_bridge import (_attention_rows, _gemm_op, _library,
+                              _triton_native)
 from rlk_torch_bridge._gemm_op import det_mm
 from rlk_torch_bridge._torch_stream import on_device_of
 
@@ -70,30 +68,30 @@ def _device_groups(offs: torch.Tensor, rows: int):
   return starts.contiguous(), torch.maximum(ends, starts).contiguous()
 
 
-@functools.lru_cache(maxsize=1024)
-def _config(m, n, k, transpose_a, transpose_b, dtype, device: str):
-  """det_gemm's Triton tile config for a product (on a GPU its shipped
-  table, by torch's name for the device: no JAX backend started here)."""
-  return _gemm_tuning.choose_pallas_config(
-      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-      dtype=jax_dtype(dtype), device=device)
+def _config(m, n, k, transpose_a, dtype, like: torch.Tensor):
+  """The Triton tile config of a product, from the table of `like`'s
+  device by torch's name for it (no JAX backend started here)."""
+  device = (torch.cuda.get_device_name(like.device) if like.is_cuda
+            else like.device.type)
+  return _triton_native.tile_config(m, n, k, transpose_a, False, dtype,
+                                    device)
 
 
-def _device_name(t: torch.Tensor) -> str:
-  return torch.cuda.get_device_name(t.device) if t.is_cuda else t.device.type
+def _rows_per_expert(a, experts: int) -> int:
+  return max(1, a.shape[0] // max(1, experts))
 
 
 @on_device_of
-def grouped_product(a, b, offs, transpose_b: bool, out_dtype):
+def grouped_product(a, b, groups, transpose_b: bool, out_dtype):
   """``out[r] = a[r] @ op(b[e])`` for each row r of expert e, rows past the
   last group 0: one grouped Triton launch. b ``[E, K, N]`` (``[E, N, K]``
-  with `transpose_b`) is read through its strides, in place."""
+  with `transpose_b`) is read through its strides, in place; `groups`:
+  `_device_groups`' (starts, ends)."""
   from triton_kernels import grouped_matmul
   e = b.shape[0]
   k, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
-  config = _config(max(1, a.shape[0] // max(1, e)), n, k, False, False,
-                   a.dtype, _device_name(a))
-  starts, ends = _device_groups(offs, a.shape[0])
+  config = _config(_rows_per_expert(a, e), n, k, False, a.dtype, a)
+  starts, ends = groups
   # Each expert's row tiles in order, as det_attention numbers a
   # sequence's query tiles.
   tiles = _attention_rows.tile_map(
@@ -106,13 +104,13 @@ def grouped_product(a, b, offs, transpose_b: bool, out_dtype):
 
 
 @on_device_of
-def grouped_weight_grad(a, g, offs, dtype):
+def grouped_weight_grad(a, g, groups, dtype):
   """``db[e] = a[rows of e]^T @ g[rows of e]``: one grouped Triton launch."""
   from triton_kernels import grouped_matmul
-  e = offs.shape[0]
-  config = _config(a.shape[1], g.shape[1], max(1, a.shape[0] // max(1, e)),
-                   True, False, a.dtype, _device_name(a))
-  starts, ends = _device_groups(offs, a.shape[0])
+  starts, ends = groups
+  e = starts.shape[0]
+  config = _config(a.shape[1], g.shape[1], _rows_per_expert(a, e), True,
+                   a.dtype, a)
   db = torch.empty((e, a.shape[1], g.shape[1]), dtype=dtype, device=a.device)
   return grouped_matmul.grouped_weight_grad_torch(a, g, db, starts, ends,
                                                   config=config)
@@ -124,7 +122,8 @@ def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                    ) -> torch.Tensor:
   _check_shapes(a, b, offs)
   if _on_grouped_kernel(a, implementation):
-    return grouped_product(a, b, offs, False, out_dtype)
+    return grouped_product(a, b, _device_groups(offs, a.shape[0]), False,
+                           out_dtype)
   out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=out_dtype)
   with torch.no_grad():
     for e, start, end in _groups(offs):
@@ -168,8 +167,9 @@ def _backward(ctx, g):
   if _on_grouped_kernel(a, impl):
     # The grouped kernels: dA rows g @ b[e]^T (b read transposed, in
     # place), dB[e] each expert's own sum over its rows.
-    da = grouped_product(g, b, offs, True, a.dtype) if need_a else None
-    db = grouped_weight_grad(a, g.contiguous(), offs, b.dtype) \
+    groups = _device_groups(offs, a.shape[0])
+    da = grouped_product(g, b, groups, True, a.dtype) if need_a else None
+    db = grouped_weight_grad(a, g.contiguous(), groups, b.dtype) \
         if need_b else None
     return da, db, None, None, None
   da = torch.zeros_like(a) if need_a else None

@@ -5,6 +5,8 @@ DLPack)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlk_jax import _gemm_tuning
@@ -13,13 +15,21 @@ from rlk_torch_bridge._torch_stream import on_device_of
 from triton_kernels import det_matmul
 
 
+@functools.lru_cache(maxsize=1024)
+def tile_config(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
+                dtype: torch.dtype, device: str | None = None):
+  """The Triton det_matmul tile config rlk_jax's tuning names for a product
+  (`device`: the table's device name; None asks JAX's GPU)."""
+  return _gemm_tuning.choose_pallas_config(
+      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
+      dtype=jax_dtype(dtype), device=device)
+
+
 def product(m: int, n: int, k: int, transpose_a: bool, transpose_b: bool,
             dtype: torch.dtype, out_dtype: torch.dtype):
   """``product(a, b) -> op(a) @ op(b)`` for one signature (a and b 2-D, on
   a's device), on the config rlk_jax's tuning names for it."""
-  config = _gemm_tuning.choose_pallas_config(
-      m, n, k, transpose_a=transpose_a, transpose_b=transpose_b,
-      dtype=jax_dtype(dtype))
+  config = tile_config(m, n, k, transpose_a, transpose_b, dtype)
 
   @on_device_of
   def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -320,10 +320,19 @@ def _experts(rng, counts, k, n, transposed):
 
 
 def _groups(offs):
-  start = 0
-  for e, end in enumerate(offs.tolist()):
-    yield e, start, end
-    start = end
+  from rlk_torch_bridge import _grouped_mm_op
+  return _grouped_mm_op._groups(offs)
+
+
+def _device_tiles(offs, rows):
+  """(tiles, starts, ends) of `offs` for the kernels at SMALL's tiles."""
+  from rlk_torch_bridge import _attention_rows, _grouped_mm_op
+  from triton_kernels import grouped_matmul
+  starts, ends = _grouped_mm_op._device_groups(offs, rows)
+  tiles = _attention_rows.tile_map_ops(
+      ends - starts, SMALL.block_m,
+      grouped_matmul.tile_bound(rows, offs.shape[0], SMALL.block_m))
+  return tiles, starts, ends
 
 
 # Ragged groups, an empty one, one longer than a tile (SMALL: 32 rows).
@@ -338,16 +347,12 @@ def test_grouped_products_are_det_matmul_per_expert_bitwise(transposed, k,
   # one launch each, groups read from device tensors, against det_matmul on
   # each expert's rows alone: the same bits (f32 out, so no rounding hides
   # an ulp), and 0 in rows of no group.
-  from rlk_torch_bridge import _attention_rows, _grouped_mm_op
   from triton_kernels import grouped_matmul
   n = 48
   a, b, offs = _experts(rng, COUNTS, k, n, transposed)
   g = torch.from_numpy(rng.standard_normal((a.shape[0], n),
                                            np.float32)).bfloat16()
-  starts, ends = _grouped_mm_op._device_groups(offs, a.shape[0])
-  tiles = _attention_rows.tile_map_ops(
-      ends - starts, SMALL.block_m,
-      grouped_matmul.tile_bound(a.shape[0], len(COUNTS), SMALL.block_m))
+  tiles, starts, ends = _device_tiles(offs, a.shape[0])
   out = torch.full((a.shape[0], n), 7.0)
   grouped_matmul.grouped_matmul_torch(a, b, out, tiles, starts, ends,
                                       transpose_b=False, config=SMALL)
@@ -383,17 +388,13 @@ def test_grouped_products_are_det_matmul_per_expert_bitwise(transposed, k,
 def test_a_rows_grouped_bits_do_not_depend_on_the_other_experts(rng):
   # A row's output is its expert's product on it alone: other experts'
   # row counts (and so the tile map) move no bit of it.
-  from rlk_torch_bridge import _attention_rows, _grouped_mm_op
   from triton_kernels import grouped_matmul
   k, n = 96, 40
   a, b, _ = _experts(rng, (10, 30, 6), k, n, False)
 
   def product(counts):
     offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
-    starts, ends = _grouped_mm_op._device_groups(offs, a.shape[0])
-    tiles = _attention_rows.tile_map_ops(
-        ends - starts, SMALL.block_m,
-        grouped_matmul.tile_bound(a.shape[0], 3, SMALL.block_m))
+    tiles, starts, ends = _device_tiles(offs, a.shape[0])
     out = torch.zeros((a.shape[0], n))
     return grouped_matmul.grouped_matmul_torch(
         a, b, out, tiles, starts, ends, transpose_b=False, config=SMALL)
@@ -423,11 +424,10 @@ def test_det_grouped_mm_on_the_grouped_kernels_forward_and_gradients(
                                            np.float32)).bfloat16()
   out = _grouped_mm_op.det_grouped_mm(a, b, offs, torch.float32, None)
   out.backward(g.float())
-  rows_each = max(1, a.shape[0] // len(COUNTS))
-  config = lambda *s: _grouped_mm_op._config(*s, torch.bfloat16, "cpu")
-  fwd, d_a = config(rows_each, n, k, False, False), config(rows_each, k, n,
-                                                           False, False)
-  d_b = config(k, n, rows_each, True, False)
+  rows_each = _grouped_mm_op._rows_per_expert(a, len(COUNTS))
+  config = lambda *s: _grouped_mm_op._config(*s, torch.bfloat16, a)
+  fwd, d_a = config(rows_each, n, k, False), config(rows_each, k, n, False)
+  d_b = config(k, n, rows_each, True)
   for e, start, end in _groups(offs):
     if end == start:
       assert not b.grad[e].any()
@@ -459,8 +459,8 @@ def test_grouped_kernels_cut_groups_at_the_rows_there_are(monkeypatch, rng):
   b = torch.from_numpy(rng.standard_normal((4, k, n), np.float32)).bfloat16()
   offs = torch.tensor([4, 2, 9, 30], dtype=torch.int32)
   got = _grouped_mm_op.det_grouped_mm(a, b, offs, torch.float32, None)
-  config = _grouped_mm_op._config(rows // 4, n, k, False, False,
-                                  torch.bfloat16, "cpu")
+  config = _grouped_mm_op._config(_grouped_mm_op._rows_per_expert(a, 4), n,
+                                  k, False, torch.bfloat16, a)
   for e, (start, end) in enumerate(((0, 4), (4, 4), (4, 9), (9, 12))):
     if end > start:
       want = run(a[start:end].contiguous(), b[e].contiguous(), end - start,
