@@ -237,6 +237,7 @@ def _reference_bwd(q, k, v, seqs, settings, out, lse, g):
   return vjp(g)
 
 
+@functools.lru_cache(maxsize=256)
 def _statics(settings: Settings):
   return _kernels().Statics(settings.group, settings.head_dim, settings.scale,
                             settings.softcap, settings.window)

@@ -43,7 +43,15 @@ BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor seqs, Tensor out, "
 def settings(q, k, scale, softcap, window, heads_per_tile, split_chunks=0,
              page=0):
   hq, d = q.shape[1:]
-  return _attention.Settings(hq // k.shape[-2], d, scale, softcap, window,
+  return _settings(hq // k.shape[-2], d, scale, softcap, window,
+                   heads_per_tile, split_chunks, page)
+
+
+@functools.lru_cache(maxsize=256)
+def _settings(group, head_dim, scale, softcap, window, heads_per_tile,
+              split_chunks, page):
+  # (Every layer of a model asks with the same numbers.)
+  return _attention.Settings(group, head_dim, scale, softcap, window,
                              heads_per_tile, split_chunks, page=page)
 
 

@@ -6,9 +6,11 @@ addresses. Shared by the native routes (``_triton_attention``,
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from rlk_torch_bridge._torch_stream import on_device_of
+from rlk_torch_bridge._torch_stream import current_stream_handle, on_device_of
 
 @on_device_of
 def tile_map(lengths, rows_per_tile, n_tiles):
@@ -35,33 +37,105 @@ def tile_map_ops(lengths, rows_per_tile, n_tiles):
 
 
 _STATIC: dict = {}
+# ids of the kept ("padded", ...) tables: every q and k row lies in one of
+# their sequences. (Kept tensors live as long as the process: ids stay theirs.)
+_ALL_ROWS_IN: set = set()
 
 
 def static_rows(device, specs):
   """int32 tensors that depend on shapes alone (("arange", n, step): 0,
   step, 2 step...; ("full", n, value); ("tiles", b, per_seq, rows): a
-  uniform tile map), made once per device: a decode step's bookkeeping
-  then launches no kernels of its own. Not kept while a CUDA graph is
-  being captured (its memory would belong to the graph)."""
+  uniform tile map; ("padded", b, s, k_rows): the sequence table of a
+  padded batch without a mask, batch row b's keys from key row b *
+  k_rows), made once per device: a decode step's bookkeeping then
+  launches no kernels of its own, and a training forward's layers share
+  one table (and so the tile maps ``sequence_tiles`` keeps with it). Not
+  kept while a CUDA graph is being captured (its memory would belong to
+  the graph)."""
   out = []
-  capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+  # (Traced, they are made in the graph: nothing is kept.)
+  compiling = torch.compiler.is_compiling()
+  keep = not compiling and not (
+      device.type == "cuda" and torch.cuda.is_current_stream_capturing())
   for spec in specs:
     key = (str(device), spec)
-    t = _STATIC.get(key)
+    t = None if compiling else _STATIC.get(key)
     if t is None:
       kind, *args = spec
       if kind == "arange":
         t = torch.arange(args[0], dtype=torch.int32, device=device) * args[1]
       elif kind == "full":
         t = torch.full((args[0],), args[1], dtype=torch.int32, device=device)
+      elif kind == "padded":
+        b, s, k_rows = args
+        base = torch.arange(b, dtype=torch.int32, device=device)
+        full = torch.full((b,), s, dtype=torch.int32, device=device)
+        t = torch.stack([base * s, full, base * k_rows, full])
       else:  # tiles: sequence b's tiles in order, `rows` query rows each
         b, per_seq, rows = args
         t = torch.arange(b * per_seq, dtype=torch.int32, device=device)
         t = torch.stack([t // per_seq, (t % per_seq) * rows]).to(torch.int32)
-      if not capturing and len(_STATIC) < 4096:
+      if keep and len(_STATIC) < 4096:
         _STATIC[key] = t
+        if kind == "padded":
+          _ALL_ROWS_IN.add(id(t))
     out.append(t)
   return out
+
+
+def all_rows_in(seqs) -> bool:
+  """Whether every q and k row lies in one of these sequences (a kept
+  padded table): the kernels then leave no row unwritten, and nothing is
+  to be filled after them."""
+  return id(seqs) in _ALL_ROWS_IN and not torch.compiler.is_compiling()
+
+
+# What is derived from a sequence table (its tile maps), kept with the
+# table while it lives unchanged: the layers of a forward, and their
+# backward, share one table (``static_rows``, or the memo of
+# ``attention.det_attention``), so one tile map serves them all.
+_DERIVED: dict = {}
+
+
+def _derived(seqs) -> dict | None:
+  """The dict kept with this table (None where nothing may be kept: while
+  tracing, or capturing a CUDA graph)."""
+  if torch.compiler.is_compiling() or (
+      seqs.is_cuda and torch.cuda.is_current_stream_capturing()):
+    return None
+  key = id(seqs)
+  entry = _DERIVED.get(key)
+  if entry is not None and entry[0]() is seqs and entry[1] == seqs._version:
+    return entry[2]
+  if len(_DERIVED) >= 4096:
+    _DERIVED.clear()
+  ref = weakref.ref(seqs, lambda _, key=key: _forget(key))
+  entry = _DERIVED[key] = (ref, seqs._version, {})
+  return entry[2]
+
+
+def _forget(key) -> None:
+  entry = _DERIVED.get(key)
+  if entry is not None and entry[0]() is None:
+    del _DERIVED[key]
+
+
+def sequence_tiles(seqs, which: int, rows_per_tile: int, n_rows: int):
+  """The tile map of the sequences' q (which=1) or k (which=3) rows,
+  `rows_per_tile` rows a tile, bounded by `n_rows` rows in all: made once
+  per table, stream and tiling (a tile map made on one stream is read in
+  that stream's order only)."""
+  from triton_kernels import attention as kernels
+  n_tiles = kernels.tile_bound(n_rows, seqs.shape[1], rows_per_tile)
+  kept = _derived(seqs)
+  if kept is None:
+    return tile_map(seqs[which], rows_per_tile, n_tiles)
+  key = (which, rows_per_tile, n_tiles,
+         current_stream_handle(seqs.device.index) if seqs.is_cuda else None)
+  tiles = kept.get(key)
+  if tiles is None:
+    tiles = kept[key] = tile_map(seqs[which], rows_per_tile, n_tiles)
+  return tiles
 
 
 def decode_tiles(device, b: int, n: int, tokens: int):

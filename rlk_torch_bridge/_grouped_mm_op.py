@@ -8,17 +8,20 @@ default, and torch's kernel promises nothing about a row's bits when the
 other experts' row counts change. Here a row's output is a det_gemm row
 of its own expert's product, so it depends on its own row and weight only.
 
-The group ends are read on the host once a call (as transformers' own
-fallback reads them); an operator with a fake kernel and autograd, so a
-compiled model keeps it as one opaque call, as transformers does its
-fallback. Rows past the last group's end come back 0. (The read is a
-host sync: a CUDA-graph capture of an MoE layer under the mode fails
-there, with torch's error, rather than replay stale group ends.)
-
-With implementation ``"triton"`` on a GPU the three products are instead
+On a GPU (implementation None or ``"triton"``) the forward, dA and dB are
 one launch each of ``triton_kernels.grouped_matmul``: the groups read on
-the device from a tile map, no host sync and no launch per expert, the
-bits of the Triton det_gemm on each expert's rows.
+the device from a tile map, no host sync and no launch per expert, and
+each element det_gemm's K walk, so the bits of det_gemm on each expert's
+rows (a device test checks them against the Hopper products bit for bit).
+Elsewhere, and with another implementation named, the group ends are read
+on the host once a call (as transformers' own fallback reads them) and
+each expert's rows are one det_gemm call. (That read is a host sync: a
+CUDA-graph capture of an MoE layer on that route fails there, with
+torch's error, rather than replay stale group ends.)
+
+An operator with a fake kernel and autograd, so a compiled model keeps it
+as one opaque call, as transformers does its fallback. Rows past the last
+group's end come back 0.
 """
 
 from typing import Optional
@@ -48,11 +51,9 @@ def _groups(offs: torch.Tensor):
 
 
 def _on_grouped_kernel(a, implementation) -> bool:
-  """Whether the grouped Triton kernels run this call: CUDA tensors with
-  implementation ``"triton"`` named. (Not yet chosen unasked: the kernels
-  are checked in Triton's interpreter, and their GPU test and timing
-  against the per-expert Hopper products have not run.)"""
-  if not a.is_cuda or implementation != "triton":
+  """Whether the grouped Triton kernels run this call: CUDA tensors, with
+  no implementation named or ``"triton"``."""
+  if not a.is_cuda or implementation not in (None, "triton"):
     return False
   from triton_kernels import backend
   return backend.triton is not None
@@ -165,13 +166,8 @@ def _backward(ctx, g):
   need_a, need_b = ctx.needs_input_grad[:2]
   g = g.to(a.dtype)
   if _on_grouped_kernel(a, impl):
-    # The grouped kernels: dA rows g @ b[e]^T (b read transposed, in
-    # place), dB[e] each expert's own sum over its rows.
-    groups = _device_groups(offs, a.shape[0])
-    da = grouped_product(g, b, groups, True, a.dtype) if need_a else None
-    db = grouped_weight_grad(a, g.contiguous(), groups, b.dtype) \
-        if need_b else None
-    return da, db, None, None, None
+    da, db = det_grouped_mm_backward(a, b, offs, g, need_a, need_b)
+    return (da if need_a else None), (db if need_b else None), None, None, None
   da = torch.zeros_like(a) if need_a else None
   db = torch.zeros(b.shape, dtype=b.dtype, device=b.device) if need_b else None
   for e, start, end in _groups(offs):
@@ -185,6 +181,31 @@ def _backward(ctx, g):
       db[e] = _library.below_autograd(_gemm_op.OP, rows, g_rows, True, False,
                                       b.dtype, impl)
   return da, db, None, None, None
+
+
+# The grouped kernels' backward, an operator of its own: torch.compile
+# traces a custom op's backward formula, and kernels launched there would
+# be handed fake tensors.
+@torch.library.custom_op("rlk::det_grouped_mm_backward", mutates_args=())
+def det_grouped_mm_backward(a: torch.Tensor, b: torch.Tensor,
+                            offs: torch.Tensor, g: torch.Tensor,
+                            need_a: bool, need_b: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+  """(dA, dB) on the grouped kernels: dA rows g @ b[e]^T (b read
+  transposed, in place), dB[e] each expert's own sum over its rows; an
+  empty tensor for a gradient not needed."""
+  groups = _device_groups(offs, a.shape[0])
+  da = (grouped_product(g, b, groups, True, a.dtype) if need_a
+        else a.new_empty(0))
+  db = (grouped_weight_grad(a, g.contiguous(), groups, b.dtype) if need_b
+        else b.new_empty(0))
+  return da, db
+
+
+@det_grouped_mm_backward.register_fake
+def _backward_fake(a, b, offs, g, need_a, need_b):
+  return (a.new_empty(a.shape) if need_a else a.new_empty(0),
+          b.new_empty(b.shape) if need_b else b.new_empty(0))
 
 
 det_grouped_mm.register_autograd(_backward, setup_context=_setup)

@@ -5,19 +5,30 @@ of the ``cuda_ffi`` backward)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import cuda_ffi
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_rows
-from rlk_torch_bridge._torch_stream import on_device_of
+from rlk_torch_bridge._torch_stream import current_stream_handle, on_device_of
 
 
 def takes(q, k, v, s) -> bool:
   """Whether the Hopper kernels take this call: settings they support, and
   rows their TMA can read (else the Triton kernels, with the same bits)."""
-  return (_attention.sm90_takes(s, _jax_dtype(q.dtype))
-          and _tma_aligned(q, k, v))
+  return _settings_taken(s, q.dtype) and _tma_aligned(q, k, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _settings_taken(s, dtype) -> bool:
+  return _attention.sm90_takes(s, _jax_dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _scale2(s) -> float:
+  return _attention._statics(s).constants()["scale2"]
 
 
 def _jax_dtype(dtype):
@@ -36,16 +47,14 @@ def _tma_aligned(*tensors) -> bool:
 @on_device_of
 def forward(q, k, v, seqs, s):
   """(out, lse) of the Hopper forward (the Triton forward's bits)."""
-  from triton_kernels import attention as kernels
-  rows = cuda_ffi.ATTENTION_TILE_ROWS
-  tiles = _attention_rows.tile_map(seqs[1], rows, kernels.tile_bound(
-      q.shape[0], seqs.shape[1], rows))
+  tiles = _attention_rows.sequence_tiles(seqs, 1, cuda_ffi.ATTENTION_TILE_ROWS,
+                                         q.shape[0])
   out = torch.empty_like(q)
   lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
   cuda_ffi.launch_attention_forward(
-      torch.cuda.current_stream(q.device).cuda_stream, q, k, v, seqs, tiles,
-      out, lse, k_rows=_attention_rows.key_rows(k),
-      scale2=_attention._statics(s).constants()["scale2"], window=s.window,
+      current_stream_handle(q.device.index), q, k, v, seqs, tiles,
+      out, lse, k_rows=_attention_rows.key_rows(k), scale2=_scale2(s),
+      window=s.window,
       half=q.dtype == torch.float16)
   return out, lse
 
@@ -53,12 +62,10 @@ def forward(q, k, v, seqs, s):
 @on_device_of
 def dkdv(q, k, v, seqs, lse, g, delta, dk, dv, s):
   """The Hopper dK/dV kernel (the Triton dK/dV kernel's bits) into dk, dv."""
-  from triton_kernels import attention as kernels
-  keys = cuda_ffi.ATTENTION_DKDV_TILE_KEYS
-  tiles = _attention_rows.tile_map(seqs[3], keys, kernels.tile_bound(
-      _attention_rows.key_tokens(k), seqs.shape[1], keys))
+  tiles = _attention_rows.sequence_tiles(
+      seqs, 3, cuda_ffi.ATTENTION_DKDV_TILE_KEYS, _attention_rows.key_tokens(k))
   cuda_ffi.launch_attention_dkdv(
-      torch.cuda.current_stream(q.device).cuda_stream, q, k, v, g, lse,
-      delta, seqs, tiles, dk, dv, k_rows=_attention_rows.key_rows(k), scale=s.scale,
-      scale2=_attention._statics(s).constants()["scale2"], window=s.window,
+      current_stream_handle(q.device.index), q, k, v, g, lse,
+      delta, seqs, tiles, dk, dv, k_rows=_attention_rows.key_rows(k),
+      scale=s.scale, scale2=_scale2(s), window=s.window,
       half=q.dtype == torch.float16)

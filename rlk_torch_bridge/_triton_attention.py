@@ -22,8 +22,7 @@ def forward(q, k, v, seqs, s, heads_per_tile, split_chunks, page=0):
     b = seqs.shape[1]
     tiles = _attention_rows.decode_tiles(q.device, b, q.shape[0] // b, tokens)
   else:
-    tiles = _attention_rows.tile_map(seqs[1], tokens, kernels.tile_bound(
-        q.shape[0], seqs.shape[1], tokens))
+    tiles = _attention_rows.sequence_tiles(seqs, 1, tokens, q.shape[0])
   out = torch.empty_like(q)
   lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
   kernels.forward_torch(q, k, v, seqs, tiles, out, lse,
@@ -41,9 +40,8 @@ def backward(q, k, v, seqs, out, lse, g, s, hopper_dkdv=None):
   config = kernels.config_for(s.head_dim)
   statics = _attention._statics(s)
   g = g.contiguous()
-  dq_rows = config.dq_tiles()[0]
-  q_tiles = _attention_rows.tile_map(seqs[1], dq_rows, kernels.tile_bound(
-      q.shape[0], seqs.shape[1], dq_rows))
+  q_tiles = _attention_rows.sequence_tiles(seqs, 1, config.dq_tiles()[0],
+                                           q.shape[0])
   # dk and dv number their rows as k and v do (seqs counts them so).
   like = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
                                        device=x.device)
@@ -54,13 +52,13 @@ def backward(q, k, v, seqs, out, lse, g, s, hopper_dkdv=None):
     kernels.dq_torch(q, k, v, g, lse, delta, seqs, q_tiles, dq, statics,
                      config)
   else:
-    k_tiles = _attention_rows.tile_map(seqs[3], config.bwd_block_n,
-                                       kernels.tile_bound(
-                                           _attention_rows.key_tokens(k),
-                                           seqs.shape[1], config.bwd_block_n))
+    k_tiles = _attention_rows.sequence_tiles(seqs, 3, config.bwd_block_n,
+                                             _attention_rows.key_tokens(k))
     kernels.backward_torch(q, k, v, out, lse, g, seqs, q_tiles, k_tiles,
                            dq, dk, dv, statics, config)
   # Rows outside every sequence are left unwritten by the kernels.
+  if _attention_rows.all_rows_in(seqs):
+    return dq, dk, dv
   k_rows = _attention_rows.key_rows(k)
   fill = _attention_rows.fill_outside
   return (fill(dq, seqs[0], seqs[1], q.shape[0], 0.0),

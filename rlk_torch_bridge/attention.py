@@ -7,12 +7,14 @@ as the JAX op on the same device, as the operators
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from rlk_jax import _attention
 from rlk_torch_bridge import _attention_op, _attention_rows, _library
 from rlk_torch_bridge._checks import check_same_device, check_tensor
+from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
 def _ints(t, what, device):
@@ -29,8 +31,10 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
   dev = q.device
   if layout == "packed":
     t = q.shape[0]
-    cu = (torch.tensor([0, t], dtype=torch.int32, device=dev)
-          if cu_seqlens is None else _ints(cu_seqlens, "cu_seqlens", dev))
+    if cu_seqlens is None:  # one sequence: a padded batch of one row
+      table, = _attention_rows.static_rows(dev, (("padded", 1, t, t),))
+      return table, None
+    cu = _ints(cu_seqlens, "cu_seqlens", dev)
     if cu.ndim != 1 or cu.shape[0] < 2:
       raise ValueError("det_attention: cu_seqlens must be [B + 1] with B >= 1,"
                        f" got shape {tuple(cu.shape)}")
@@ -38,11 +42,10 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
     length = cu[1:].clamp(max=t) - start
     return torch.stack([start, length, start, length]), None
   b, s = q.shape[:2]
-  base = torch.arange(b, dtype=torch.int32, device=dev)
   if layout == "padded":
     if mask is None:
-      full = torch.full((b,), s, dtype=torch.int32, device=dev)
-      return torch.stack([base * s, full, base * k_rows, full]), None
+      table, = _attention_rows.static_rows(dev, (("padded", b, s, k_rows),))
+      return table, None
     if tuple(mask.shape) != (b, s) or mask.dtype != torch.bool:
       raise ValueError(f"det_attention: mask must be bool [B, S] = [{b}, {s}],"
                        f" got {mask.dtype} {tuple(mask.shape)}")
@@ -52,6 +55,7 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
     cols = torch.arange(s, device=dev)[None]
     contiguous = (mask == ((cols >= first[:, None])
                            & (cols < (first + length)[:, None]))).all(1)
+    base = torch.arange(b, dtype=torch.int32, device=dev)
     if not dev.type == "cuda" and not bool(contiguous.all()):
       bad = torch.nonzero(~contiguous)[:, 0].tolist()
       raise ValueError(
@@ -86,6 +90,37 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
         f"kv_lens <= the cache's {s_cache} slots; got kv_lens "
         f"{kv_lens.tolist()}, kv_start {kv_start.tolist()}")
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
+
+
+# The last sequence tables made from tensors (a mask, cu_seqlens, cache
+# lengths): a model's layers hand every call the same ones, so they share
+# one table, and with it the tile maps kept with it
+# (``_attention_rows.sequence_tiles``).
+_recent_tables: list = []
+_RECENT = 8
+
+
+def _table(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
+  """``_seqs``'s answer, remembered for the tensors it was made from while
+  they live unchanged (not while tracing or capturing a CUDA graph, and
+  per stream: a table is read in the order of the stream that made it)."""
+  sources = tuple(x for x in (cu_seqlens, mask, kv_lens, kv_start)
+                  if x is not None)
+  if (not sources or torch.compiler.is_compiling()
+      or not all(isinstance(x, torch.Tensor) for x in sources)
+      or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    return _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows)
+  key = (layout, q.shape, k.shape, k_rows, q.device,
+         current_stream_handle(q.device.index) if q.is_cuda else None,
+         tuple((id(x), x._version) for x in sources))
+  for refs, cached_key, result in _recent_tables:
+    if cached_key == key and all(r() is x for r, x in zip(refs, sources)):
+      return result
+  result = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows)
+  _recent_tables.insert(0, (tuple(weakref.ref(x) for x in sources), key,
+                            result))
+  del _recent_tables[_RECENT:]
+  return result
 
 
 def _paged_seqs(q, k, kv_lens, block_tables, kernel_checks: bool):
@@ -162,7 +197,7 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k, kv_lens, block_tables, q.is_cuda and _attention_op.choose(
             implementation, "gpu") in _attention_op.KERNEL_ROUTES)
   else:
-    seqs, contiguous = _seqs(
+    seqs, contiguous = _table(
         layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
         k.stride(0) // k.stride(1) if in_place else k.shape[1])
   # A paged cache is planned as the contiguous cache of its tables' slots.

@@ -494,3 +494,68 @@ def test_shape_only_tile_map_is_the_general_one(b, s, rows):
         seqs, which, rows, b * s,
         dataclasses.replace(settings, all_rows_in=False))
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_torch_tables_are_shared_per_source_and_remade_when_it_changes(rng):
+  """A model's layers pass every call the same mask (or cu_seqlens), so the
+  torch route makes one sequence table per source tensor and keeps the
+  tile maps with it: the same objects while the source is unchanged, a new
+  table with the new values once it changes in place, and outputs equal to
+  a fresh source's. A padded batch without a mask (or one packed sequence)
+  takes a shape-only table that lists every row."""
+  from rlk_torch_bridge import _attention_rows
+  from rlk_torch_bridge import attention as torch_attention
+  hq, hkv, d = HEADS
+  t = TorchRoute()
+  q, k, v, mask = padded_batch(sequences(rng, [5, 12, 9], hq, hkv, d), 12,
+                               left=True)
+  q, k, v = (t.array(x) for x in (q, k, v))
+  table = lambda **kw: torch_attention._table(
+      kw.pop("layout", "padded"), q, k, kw.get("cu"), kw.get("mask"), None,
+      None, k.shape[1])[0]
+
+  full = table()
+  assert full is table() and _attention_rows.all_rows_in(full)
+  b, s = q.shape[:2]
+  base = torch.arange(b, dtype=torch.int32, device=q.device)
+  assert torch.equal(full, torch.stack([base * s, torch.full_like(base, s),
+                                        base * s, torch.full_like(base, s)]))
+  assert not _attention_rows.all_rows_in(full.clone())
+
+  m = torch.as_tensor(np.asarray(mask), device=t.device)
+  first = table(mask=m)
+  assert first is table(mask=m)
+  assert not _attention_rows.all_rows_in(first)
+  tiles = _attention_rows.sequence_tiles(first, 1, 4, q.shape[0] * s)
+  assert tiles is _attention_rows.sequence_tiles(first, 1, 4, q.shape[0] * s)
+  from triton_kernels import attention as kernels
+  assert torch.equal(tiles, _attention_rows.tile_map(
+      first[1], 4, kernels.tile_bound(q.shape[0] * s, b, 4)))
+  attend = lambda mask: rtb.det_attention(q, k, v, mask=mask,
+                                          implementation=t.impl)
+  before = attend(m)
+  m[0, -5] = False  # sequence 0 (left padded) now starts a token later
+  second = table(mask=m)
+  assert second is not first and not torch.equal(second, first)
+  assert torch.equal(second, torch_attention._seqs(
+      "padded", q, k, None, m, None, None, k.shape[1])[0])
+  after = attend(m)
+  fresh = attend(m.clone())
+  assert same_bits(after, fresh) and not same_bits(after, before)
+
+  # A table changed in place is a new table to the tile maps too.
+  kept = first.clone()
+  tiles = _attention_rows.sequence_tiles(kept, 1, 4, q.shape[0] * s)
+  kept[1, 0] += 1
+  assert _attention_rows.sequence_tiles(kept, 1, 4, q.shape[0] * s) is not tiles
+
+  rows = q.reshape(-1, hq, d)
+  one = torch_attention._seqs("packed", rows, rows, None, None, None, None,
+                              rows.shape[0])[0]
+  assert _attention_rows.all_rows_in(one)
+  cu = torch.tensor([0, 7, rows.shape[0]], dtype=torch.int32)
+  packed = lambda: torch_attention._table("packed", rows, rows, cu, None,
+                                          None, None, rows.shape[0])[0]
+  assert packed() is packed()
+  cu[1] = 8
+  assert packed()[1, 0].item() == 8

@@ -447,6 +447,38 @@ def test_det_grouped_mm_on_the_grouped_kernels_forward_and_gradients(
   assert not out[int(offs[-1]):].any() and not a.grad[int(offs[-1]):].any()
 
 
+def test_grouped_kernels_compile_with_their_gradients(monkeypatch, rng):
+  # torch.compile traces a custom op's backward formula with fake tensors:
+  # the grouped kernels' backward must be an operator of its own (launched
+  # there, they would be handed fake tensors, as a compiled MoE trainer
+  # was on the GPU). Compiled forward and gradients equal eager's bits.
+  from rlk_torch_bridge import _grouped_mm_op
+  monkeypatch.setattr(_grouped_mm_op, "_on_grouped_kernel",
+                      lambda *_: True)
+  a, b, offs = _experts(rng, (3, 0, 7), 64, 24, True)
+  g = torch.from_numpy(rng.standard_normal((a.shape[0], 24),
+                                           np.float32)).bfloat16()
+
+  def step(fn, need_b=True):
+    x, w = a.clone().requires_grad_(), b.detach().clone()
+    w.requires_grad_(need_b)
+    out = fn(x, w)
+    out.backward(g)
+    return out.detach(), x.grad, w.grad
+
+  product = lambda x, w: _grouped_mm_op.det_grouped_mm(
+      x, w, offs, torch.bfloat16, None)
+  torch._dynamo.reset()
+  compiled = torch.compile(product, backend="aot_eager", fullgraph=True)
+  for need_b in (True, False):
+    want, got = step(product, need_b), step(compiled, need_b)
+    for x, y in zip(want, got):
+      if x is None:
+        assert y is None
+        continue
+      assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
 def test_grouped_kernels_cut_groups_at_the_rows_there_are(monkeypatch, rng):
   # Group ends past a's rows, and a group ending before the one before it:
   # the kernels' device-side groups read offs as the per-expert loop's
