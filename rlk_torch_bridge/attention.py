@@ -208,13 +208,15 @@ def det_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
   if not in_place:
     k, v = flat(k), flat(v)
   # Rows outside every sequence (a pack's spare capacity, padding) come
-  # back 0 with lse -inf.
+  # back 0 with lse -inf; a table known to hold every row has none.
   out, lse = _library.call(
       _attention_op.FORWARD, flat(q), k, v, seqs.contiguous(),
       float(1.0 / math.sqrt(d) if scale is None else scale),
       None if softcap is None else float(softcap),
       None if sliding_window is None else int(sliding_window),
-      heads_per_tile, split_chunks, layout == "packed" or mask is not None,
+      heads_per_tile, split_chunks,
+      (layout == "packed" or mask is not None)
+      and not _attention_rows.all_rows_in(seqs),
       implementation, page)
   if contiguous is not None:
     bad = (~contiguous).repeat_interleave(q.shape[1])
