@@ -6,11 +6,10 @@ addresses. Shared by the native routes (``_triton_attention``,
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from rlk_torch_bridge._torch_stream import current_stream_handle, on_device_of
+from rlk_torch_bridge import _tables
+from rlk_torch_bridge._torch_stream import on_device_of
 
 @on_device_of
 def tile_map(lengths, rows_per_tile, n_tiles):
@@ -90,52 +89,17 @@ def all_rows_in(seqs) -> bool:
   return id(seqs) in _ALL_ROWS_IN and not torch.compiler.is_compiling()
 
 
-# What is derived from a sequence table (its tile maps), kept with the
-# table while it lives unchanged: the layers of a forward, and their
-# backward, share one table (``static_rows``, or the memo of
-# ``attention.det_attention``), so one tile map serves them all.
-_DERIVED: dict = {}
-
-
-def _derived(seqs) -> dict | None:
-  """The dict kept with this table (None where nothing may be kept: while
-  tracing, or capturing a CUDA graph)."""
-  if torch.compiler.is_compiling() or (
-      seqs.is_cuda and torch.cuda.is_current_stream_capturing()):
-    return None
-  key = id(seqs)
-  entry = _DERIVED.get(key)
-  if entry is not None and entry[0]() is seqs and entry[1] == seqs._version:
-    return entry[2]
-  if len(_DERIVED) >= 4096:
-    _DERIVED.clear()
-  ref = weakref.ref(seqs, lambda _, key=key: _forget(key))
-  entry = _DERIVED[key] = (ref, seqs._version, {})
-  return entry[2]
-
-
-def _forget(key) -> None:
-  entry = _DERIVED.get(key)
-  if entry is not None and entry[0]() is None:
-    del _DERIVED[key]
-
-
 def sequence_tiles(seqs, which: int, rows_per_tile: int, n_rows: int):
   """The tile map of the sequences' q (which=1) or k (which=3) rows,
   `rows_per_tile` rows a tile, bounded by `n_rows` rows in all: made once
-  per table, stream and tiling (a tile map made on one stream is read in
-  that stream's order only)."""
+  per table, stream and tiling (``_tables.derived``; the layers of a
+  forward, and their backward, share one table: ``static_rows``, or the
+  memo of ``attention.det_attention``)."""
   from triton_kernels import attention as kernels
   n_tiles = kernels.tile_bound(n_rows, seqs.shape[1], rows_per_tile)
-  kept = _derived(seqs)
-  if kept is None:
-    return tile_map(seqs[which], rows_per_tile, n_tiles)
-  key = (which, rows_per_tile, n_tiles,
-         current_stream_handle(seqs.device.index) if seqs.is_cuda else None)
-  tiles = kept.get(key)
-  if tiles is None:
-    tiles = kept[key] = tile_map(seqs[which], rows_per_tile, n_tiles)
-  return tiles
+  return _tables.derived(
+      seqs, ("tiles", which, rows_per_tile, n_tiles),
+      lambda: tile_map(seqs[which], rows_per_tile, n_tiles))
 
 
 def decode_tiles(device, b: int, n: int, tokens: int):

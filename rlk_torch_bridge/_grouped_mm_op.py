@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rlk_torch_bridge import (_attention_rows, _gemm_op, _library,
+from rlk_torch_bridge import (_attention_rows, _gemm_op, _library, _tables,
                               _triton_native)
 from rlk_torch_bridge._gemm_op import det_mm
 from rlk_torch_bridge._torch_stream import on_device_of
@@ -59,14 +59,24 @@ def _on_grouped_kernel(a, implementation) -> bool:
   return backend.triton is not None
 
 
-def _device_groups(offs: torch.Tensor, rows: int):
-  """(starts, ends) int32 on the device, no host read: expert e's rows are
-  ``starts[e]:ends[e]``, `_groups`' reading of `offs` (a group ending
-  before an earlier one's end is empty), cut at the `rows` rows there are
-  (as the loop's slices of them are)."""
-  ends = offs.to(torch.int32).clamp(0, rows)
-  starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
-  return starts.contiguous(), torch.maximum(ends, starts).contiguous()
+# A layer's products share their expert offsets (transformers' experts
+# pass one offs to gate_up and down, and the backward gets it again): one
+# groups table for them all, and the tile maps kept with it.
+_recent_groups = _tables.Recent(8)
+
+
+def _device_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
+  """int32 ``[3, E]`` on the device, no host read: expert e's rows are
+  ``starts[e]:ends[e]`` (rows 0 and 1; row 2 their lengths), `_groups`'
+  reading of `offs` (a group ending before an earlier one's end is
+  empty), cut at the `rows` rows there are (as the loop's slices of them
+  are)."""
+  def make():
+    ends = offs.to(torch.int32).clamp(0, rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
+    ends = torch.maximum(ends, starts)
+    return torch.stack([starts, ends, ends - starts])
+  return _recent_groups.get(offs, (offs,), ("groups", rows), make)
 
 
 def _config(m, n, k, transpose_a, dtype, like: torch.Tensor):
@@ -92,12 +102,12 @@ def grouped_product(a, b, groups, transpose_b: bool, out_dtype):
   e = b.shape[0]
   k, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
   config = _config(_rows_per_expert(a, e), n, k, False, a.dtype, a)
-  starts, ends = groups
+  starts, ends, _ = groups
   # Each expert's row tiles in order, as det_attention numbers a
-  # sequence's query tiles.
-  tiles = _attention_rows.tile_map(
-      ends - starts, config.block_m,
-      grouped_matmul.tile_bound(a.shape[0], e, config.block_m))
+  # sequence's query tiles (and kept with the groups, as its are with its
+  # sequences).
+  tiles = _attention_rows.sequence_tiles(groups, 2, config.block_m,
+                                         a.shape[0])
   out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
   return grouped_matmul.grouped_matmul_torch(
       a.contiguous(), b, out, tiles, starts, ends, transpose_b=transpose_b,
@@ -108,7 +118,7 @@ def grouped_product(a, b, groups, transpose_b: bool, out_dtype):
 def grouped_weight_grad(a, g, groups, dtype):
   """``db[e] = a[rows of e]^T @ g[rows of e]``: one grouped Triton launch."""
   from triton_kernels import grouped_matmul
-  starts, ends = groups
+  starts, ends, _ = groups
   e = starts.shape[0]
   config = _config(a.shape[1], g.shape[1], _rows_per_expert(a, e), True,
                    a.dtype, a)

@@ -7,14 +7,13 @@ as the JAX op on the same device, as the operators
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
 from rlk_jax import _attention
-from rlk_torch_bridge import _attention_op, _attention_rows, _library
+from rlk_torch_bridge import (_attention_op, _attention_rows, _library,
+                              _tables)
 from rlk_torch_bridge._checks import check_same_device, check_tensor
-from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
 def _ints(t, what, device):
@@ -92,35 +91,22 @@ def _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
   return torch.stack([q_start, q_len, k_base + kv_start, kv_lens]), None
 
 
-# The last sequence tables made from tensors (a mask, cu_seqlens, cache
-# lengths): a model's layers hand every call the same ones, so they share
-# one table, and with it the tile maps kept with it
-# (``_attention_rows.sequence_tiles``).
-_recent_tables: list = []
-_RECENT = 8
+# A model's layers hand every call the same mask, cu_seqlens or cache
+# lengths: they share one table (and the tile maps kept with it).
+_recent_tables = _tables.Recent(8)
 
 
 def _table(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows):
-  """``_seqs``'s answer, remembered for the tensors it was made from while
-  they live unchanged (not while tracing or capturing a CUDA graph, and
-  per stream: a table is read in the order of the stream that made it)."""
+  """``_seqs``'s answer, remembered for the tensors it was made from
+  (``_tables.Recent``)."""
   sources = tuple(x for x in (cu_seqlens, mask, kv_lens, kv_start)
                   if x is not None)
-  if (not sources or torch.compiler.is_compiling()
-      or not all(isinstance(x, torch.Tensor) for x in sources)
-      or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-    return _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows)
-  key = (layout, q.shape, k.shape, k_rows, q.device,
-         current_stream_handle(q.device.index) if q.is_cuda else None,
-         tuple((id(x), x._version) for x in sources))
-  for refs, cached_key, result in _recent_tables:
-    if cached_key == key and all(r() is x for r, x in zip(refs, sources)):
-      return result
-  result = _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start, k_rows)
-  _recent_tables.insert(0, (tuple(weakref.ref(x) for x in sources), key,
-                            result))
-  del _recent_tables[_RECENT:]
-  return result
+  make = lambda: _seqs(layout, q, k, cu_seqlens, mask, kv_lens, kv_start,
+                       k_rows)
+  if not sources:
+    return make()
+  return _recent_tables.get(q, sources, (layout, q.shape, k.shape, k_rows),
+                            make)
 
 
 def _paged_seqs(q, k, kv_lens, block_tables, kernel_checks: bool):

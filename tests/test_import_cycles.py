@@ -190,7 +190,7 @@ BRIDGE_LAYERS = (
      "_triton_native", "_triton_attention", "_attention_rows", "_row_routes",
      "_cuda_pack",
      "_packinfo", "_cpp_extension", "_in_situ", "_dlpack"),
-    ("_library", "_checks", "_torch_stream", "_process_group"),
+    ("_library", "_checks", "_torch_stream", "_process_group", "_tables"),
 )
 
 
