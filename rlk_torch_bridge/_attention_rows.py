@@ -35,10 +35,26 @@ def tile_map_ops(lengths, rows_per_tile, n_tiles):
                       torch.where(valid, first, 0)]).to(torch.int32)
 
 
-_STATIC: dict = {}
 # ids of the kept ("padded", ...) tables: every q and k row lies in one of
-# their sequences. (Kept tensors live as long as the process: ids stay theirs.)
+# their sequences. (Kept tables live as long as the process: ids stay theirs.)
 _ALL_ROWS_IN: set = set()
+
+
+def _made(device, spec):
+  kind, *args = spec
+  if kind == "arange":
+    return torch.arange(args[0], dtype=torch.int32, device=device) * args[1]
+  if kind == "full":
+    return torch.full((args[0],), args[1], dtype=torch.int32, device=device)
+  if kind == "padded":
+    b, s, k_rows = args
+    base = torch.arange(b, dtype=torch.int32, device=device)
+    full = torch.full((b,), s, dtype=torch.int32, device=device)
+    return torch.stack([base * s, full, base * k_rows, full])
+  # tiles: sequence b's tiles in order, `rows` query rows each
+  b, per_seq, rows = args
+  t = torch.arange(b * per_seq, dtype=torch.int32, device=device)
+  return torch.stack([t // per_seq, (t % per_seq) * rows]).to(torch.int32)
 
 
 def static_rows(device, specs):
@@ -46,38 +62,15 @@ def static_rows(device, specs):
   step, 2 step...; ("full", n, value); ("tiles", b, per_seq, rows): a
   uniform tile map; ("padded", b, s, k_rows): the sequence table of a
   padded batch without a mask, batch row b's keys from key row b *
-  k_rows), made once per device: a decode step's bookkeeping then
-  launches no kernels of its own, and a training forward's layers share
-  one table (and so the tile maps ``sequence_tiles`` keeps with it). Not
-  kept while a CUDA graph is being captured (its memory would belong to
-  the graph)."""
+  k_rows), made once per device and stream (``_tables.static``): a decode
+  step's bookkeeping then launches no kernels of its own, and a training
+  forward's layers share one table (and so the tile maps
+  ``sequence_tiles`` keeps with it)."""
   out = []
-  # (Traced, they are made in the graph: nothing is kept.)
-  compiling = torch.compiler.is_compiling()
-  keep = not compiling and not (
-      device.type == "cuda" and torch.cuda.is_current_stream_capturing())
   for spec in specs:
-    key = (str(device), spec)
-    t = None if compiling else _STATIC.get(key)
-    if t is None:
-      kind, *args = spec
-      if kind == "arange":
-        t = torch.arange(args[0], dtype=torch.int32, device=device) * args[1]
-      elif kind == "full":
-        t = torch.full((args[0],), args[1], dtype=torch.int32, device=device)
-      elif kind == "padded":
-        b, s, k_rows = args
-        base = torch.arange(b, dtype=torch.int32, device=device)
-        full = torch.full((b,), s, dtype=torch.int32, device=device)
-        t = torch.stack([base * s, full, base * k_rows, full])
-      else:  # tiles: sequence b's tiles in order, `rows` query rows each
-        b, per_seq, rows = args
-        t = torch.arange(b * per_seq, dtype=torch.int32, device=device)
-        t = torch.stack([t // per_seq, (t % per_seq) * rows]).to(torch.int32)
-      if keep and len(_STATIC) < 4096:
-        _STATIC[key] = t
-        if kind == "padded":
-          _ALL_ROWS_IN.add(id(t))
+    t = _tables.static(device, spec, lambda spec=spec: _made(device, spec))
+    if spec[0] == "padded" and _tables.is_kept(t):
+      _ALL_ROWS_IN.add(id(t))
     out.append(t)
   return out
 
@@ -86,7 +79,7 @@ def all_rows_in(seqs) -> bool:
   """Whether every q and k row lies in one of these sequences (a kept
   padded table): the kernels then leave no row unwritten, and nothing is
   to be filled after them."""
-  return id(seqs) in _ALL_ROWS_IN and not torch.compiler.is_compiling()
+  return not torch.compiler.is_compiling() and id(seqs) in _ALL_ROWS_IN
 
 
 def sequence_tiles(seqs, which: int, rows_per_tile: int, n_rows: int):

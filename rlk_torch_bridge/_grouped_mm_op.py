@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rlk_torch_bridge import (_attention_rows, _gemm_op, _library, _tables,
+from rlk_torch_bridge import (_attention_rows, _gemm_op, _library,
                               _triton_native)
 from rlk_torch_bridge._gemm_op import det_mm
 from rlk_torch_bridge._torch_stream import on_device_of
@@ -59,24 +59,19 @@ def _on_grouped_kernel(a, implementation) -> bool:
   return backend.triton is not None
 
 
-# A layer's products share their expert offsets (transformers' experts
-# pass one offs to gate_up and down, and the backward gets it again): one
-# groups table for them all, and the tile maps kept with it.
-_recent_groups = _tables.Recent(8)
-
-
-def _device_groups(offs: torch.Tensor, rows: int) -> torch.Tensor:
-  """int32 ``[3, E]`` on the device, no host read: expert e's rows are
+def _device_groups(offs: torch.Tensor, rows: int,
+                   device: torch.device) -> torch.Tensor:
+  """int32 ``[3, E]`` on `device`, no host read: expert e's rows are
   ``starts[e]:ends[e]`` (rows 0 and 1; row 2 their lengths), `_groups`'
   reading of `offs` (a group ending before an earlier one's end is
   empty), cut at the `rows` rows there are (as the loop's slices of them
-  are)."""
-  def make():
-    ends = offs.to(torch.int32).clamp(0, rows)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
-    ends = torch.maximum(ends, starts)
-    return torch.stack([starts, ends, ends - starts])
-  return _recent_groups.get(offs, (offs,), ("groups", rows), make)
+  are). Made afresh each call: inside the operator `offs` may be a
+  compiled graph's buffer, reused for other values without a version
+  bump, so nothing is remembered by its identity."""
+  ends = offs.to(device=device, dtype=torch.int32).clamp(0, rows)
+  starts = torch.cat([ends.new_zeros(1), ends[:-1]]).cummax(0).values
+  ends = torch.maximum(ends, starts)
+  return torch.stack([starts, ends, ends - starts])
 
 
 def _config(m, n, k, transpose_a, dtype, like: torch.Tensor):
@@ -97,15 +92,14 @@ def grouped_product(a, b, groups, transpose_b: bool, out_dtype):
   """``out[r] = a[r] @ op(b[e])`` for each row r of expert e, rows past the
   last group 0: one grouped Triton launch. b ``[E, K, N]`` (``[E, N, K]``
   with `transpose_b`) is read through its strides, in place; `groups`:
-  `_device_groups`' (starts, ends)."""
+  `_device_groups`' table."""
   from triton_kernels import grouped_matmul
   e = b.shape[0]
   k, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
   config = _config(_rows_per_expert(a, e), n, k, False, a.dtype, a)
   starts, ends, _ = groups
   # Each expert's row tiles in order, as det_attention numbers a
-  # sequence's query tiles (and kept with the groups, as its are with its
-  # sequences).
+  # sequence's query tiles.
   tiles = _attention_rows.sequence_tiles(groups, 2, config.block_m,
                                          a.shape[0])
   out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
@@ -133,8 +127,8 @@ def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                    ) -> torch.Tensor:
   _check_shapes(a, b, offs)
   if _on_grouped_kernel(a, implementation):
-    return grouped_product(a, b, _device_groups(offs, a.shape[0]), False,
-                           out_dtype)
+    return grouped_product(a, b, _device_groups(offs, a.shape[0], a.device),
+                           False, out_dtype)
   out = a.new_zeros((a.shape[0], b.shape[-1]), dtype=out_dtype)
   with torch.no_grad():
     for e, start, end in _groups(offs):
@@ -204,7 +198,7 @@ def det_grouped_mm_backward(a: torch.Tensor, b: torch.Tensor,
   """(dA, dB) on the grouped kernels: dA rows g @ b[e]^T (b read
   transposed, in place), dB[e] each expert's own sum over its rows; an
   empty tensor for a gradient not needed."""
-  groups = _device_groups(offs, a.shape[0])
+  groups = _device_groups(offs, a.shape[0], a.device)
   da = (grouped_product(g, b, groups, True, a.dtype) if need_a
         else a.new_empty(0))
   db = (grouped_weight_grad(a, g.contiguous(), groups, b.dtype) if need_b

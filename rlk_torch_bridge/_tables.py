@@ -1,18 +1,26 @@
 """Small device tables derived from tensors (det_attention's sequence
-tables and tile maps, a mixture of experts' groups), remembered while what
-they were made from is unchanged.
+tables and tile maps, tables of shapes alone), remembered while what they
+were made from is unchanged.
 
 Why: a model's layers hand every call the same mask, ``cu_seqlens`` or
-expert offsets, and the backward gets the same tensors again; each table
-costs a few small kernels and their host time, once per layer and
-direction otherwise.
+shapes, and the backward gets the same tensors again; each table costs a
+few small kernels and their host time, once per layer and direction
+otherwise.
 
-What makes a kept table safe to reuse: it is keyed by its sources'
-identities and in-place versions (``_version``), held through weak
-references (a source that dies takes its entry along), and by the current
-stream (a table made on one stream is read in that stream's order only).
-Nothing is kept while tracing (torch.compile makes its own tables) or
-capturing a CUDA graph (the memory would be the graph's)."""
+What makes a kept table safe to reuse:
+- it is keyed by its sources' identities and in-place versions
+  (``_version``), held through weak references (a source that dies takes
+  its entry along), and by device and current stream (a table made on one
+  stream is read in that stream's order only);
+- what is derived from a table (``derived``) is kept only for tables this
+  module made and kept itself: inside an operator the tables a compiled
+  graph passes are its own buffers, which Inductor reuses for other values
+  without a version bump;
+- nothing is kept while tracing (torch.compile makes its own tables), under
+  a fake-tensor mode, while capturing a CUDA graph on the device (the
+  memory would be the graph's), or from inference tensors (which have no
+  version and cannot be saved for a later backward).
+"""
 
 from __future__ import annotations
 
@@ -23,14 +31,64 @@ import torch
 from rlk_torch_bridge._torch_stream import current_stream_handle
 
 
-def keeping(t: torch.Tensor) -> bool:
-  """Whether tables made now for calls on `t`'s device may be kept."""
-  return not torch.compiler.is_compiling() and not (
-      t.is_cuda and torch.cuda.is_current_stream_capturing())
+def keeping(device: torch.device, inference_ok: bool = False) -> bool:
+  """Whether a table made now for calls on `device` may be kept."""
+  if torch.compiler.is_compiling() or (
+      not inference_ok and torch.is_inference_mode_enabled()):
+    return False
+  if torch._C._get_dispatch_mode(
+      torch._C._TorchDispatchModeKey.FAKE) is not None:
+    return False
+  if device.type != "cuda":
+    return True
+  if device.index is None or device.index == torch.cuda.current_device():
+    return not torch.cuda.is_current_stream_capturing()
+  with torch.cuda.device(device):
+    return not torch.cuda.is_current_stream_capturing()
 
 
-def _stream(t: torch.Tensor):
-  return current_stream_handle(t.device.index) if t.is_cuda else None
+def _stream(device: torch.device):
+  if device.type != "cuda":
+    return None
+  return current_stream_handle(torch.cuda.current_device()
+                               if device.index is None else device.index)
+
+
+# The tables made and kept here (id -> weak reference): the only ones
+# `derived` keeps anything with.
+_OWN: dict = {}
+
+
+def _own(table: torch.Tensor) -> torch.Tensor:
+  ident = id(table)
+  _OWN[ident] = weakref.ref(table, lambda _, ident=ident: _drop(_OWN, ident))
+  return table
+
+
+def _drop(store: dict, ident) -> None:
+  entry = store.get(ident)
+  ref = entry[0] if isinstance(entry, tuple) else entry
+  if ref is not None and ref() is None:
+    del store[ident]
+
+
+_STATIC: dict = {}
+
+
+def static(device: torch.device, key, make) -> torch.Tensor:
+  """``make()`` (a table of shapes alone), made once per device and stream
+  (and made as a normal tensor under inference mode: a later training
+  call may save it for its backward)."""
+  if not keeping(device, inference_ok=True):
+    return make()
+  full_key = (str(device), _stream(device), key)
+  table = _STATIC.get(full_key)
+  if table is None:
+    with torch.inference_mode(False):
+      table = make()
+    if len(_STATIC) < 4096:
+      _STATIC[full_key] = _own(table)
+  return table
 
 
 class Recent:
@@ -44,49 +102,59 @@ class Recent:
     """``make()``, or the table it gave for these `sources` (tensors) and
     `key` (what else it depends on: shapes, say) on `like`'s device and
     stream while the sources are unchanged."""
-    if not all(isinstance(x, torch.Tensor) for x in sources) or not keeping(
-        like):
+    if (not all(isinstance(x, torch.Tensor) and not x.is_inference()
+                for x in sources) or not keeping(like.device)):
       return make()
-    key = (key, like.device, _stream(like),
+    key = (key, like.device, _stream(like.device),
            tuple((id(x), x._version) for x in sources))
     for refs, cached_key, table in self._entries:
       if cached_key == key and all(r() is x for r, x in zip(refs, sources)):
         return table
     table = make()
     self._entries.insert(0, (tuple(weakref.ref(x) for x in sources), key,
-                             table))
+                             _kept(table)))
     del self._entries[self._size:]
     return table
 
 
-# What is derived from a table (its tile maps), kept with it while it lives
-# unchanged.
+def _kept(table):
+  """Registers the tensors of a kept table as made here."""
+  for t in table if isinstance(table, tuple) else (table,):
+    if isinstance(t, torch.Tensor):
+      _own(t)
+  return table
+
+
+# What is derived from a kept table (its tile maps), kept with it while it
+# lives unchanged.
 _DERIVED: dict = {}
 
 
 def derived(table: torch.Tensor, key, make):
   """``make()``, kept with `table` under `key` (and the current stream)
-  while `table` lives unchanged."""
-  if not keeping(table):
+  while `table` lives unchanged, if `table` is one this module keeps."""
+  ident = id(table)
+  own = _OWN.get(ident)
+  if (own is None or own() is not table or table.is_inference()
+      or not keeping(table.device)):
     return make()
-  entry = _DERIVED.get(id(table))
+  entry = _DERIVED.get(ident)
   if not (entry is not None and entry[0]() is table
           and entry[1] == table._version):
     if len(_DERIVED) >= 4096:
       _DERIVED.clear()
-    ident = id(table)
     entry = _DERIVED[ident] = (
-        weakref.ref(table, lambda _, ident=ident: _forget(ident)),
+        weakref.ref(table, lambda _, ident=ident: _drop(_DERIVED, ident)),
         table._version, {})
   kept = entry[2]
-  key = (key, _stream(table))
+  key = (key, _stream(table.device))
   value = kept.get(key)
   if value is None:
     value = kept[key] = make()
   return value
 
 
-def _forget(ident) -> None:
-  entry = _DERIVED.get(ident)
-  if entry is not None and entry[0]() is None:
-    del _DERIVED[ident]
+def is_kept(table: torch.Tensor) -> bool:
+  """Whether `table` is one this module made and keeps."""
+  own = _OWN.get(id(table))
+  return own is not None and own() is table

@@ -245,8 +245,10 @@ def _layout(attn_mask, position_ids, b, n, s_k, window, device):
   # Traced, nothing is remembered: and id() of a tensor made inside the
   # graph (transformers' position ids when the caller gives none) is a
   # graph break that made Dynamo skip the model's forward.
-  compiling = torch.compiler.is_compiling()
-  if not compiling:
+  # (Nor an inference tensor: it has no version to key it by.)
+  remember = (not torch.compiler.is_compiling()
+              and not attn_mask.is_inference())
+  if remember:
     key = (b, n, s_k, window, attn_mask._version, id(position_ids))
     for ref, cached_key, cached in _recent_layouts:
       if ref() is attn_mask and cached_key == key:
@@ -276,7 +278,7 @@ def _layout(attn_mask, position_ids, b, n, s_k, window, device):
     layout = dict(kv_lens=torch.where(fits, end - start, n),
                   kv_start=torch.where(fits, start, 0))
   result = (layout, fits, {})
-  if not compiling:
+  if remember:
     _recent_layouts.insert(0, (weakref.ref(attn_mask), key, result))
     del _recent_layouts[_RECENT:]
   return result

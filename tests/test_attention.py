@@ -543,11 +543,27 @@ def test_torch_tables_are_shared_per_source_and_remade_when_it_changes(rng):
   fresh = attend(m.clone())
   assert same_bits(after, fresh) and not same_bits(after, before)
 
-  # A table changed in place is a new table to the tile maps too.
-  kept = first.clone()
-  tiles = _attention_rows.sequence_tiles(kept, 1, 4, q.shape[0] * s)
-  kept[1, 0] += 1
-  assert _attention_rows.sequence_tiles(kept, 1, 4, q.shape[0] * s) is not tiles
+  # Tile maps are kept only with tables kept here: inside an operator a
+  # compiled graph passes its own buffers, which Inductor reuses for other
+  # values without a version bump. A kept table changed in place gets a
+  # new map.
+  other = second.clone()
+  n_rows = q.shape[0] * s
+  assert (_attention_rows.sequence_tiles(other, 1, 4, n_rows)
+          is not _attention_rows.sequence_tiles(other, 1, 4, n_rows))
+  tiles = _attention_rows.sequence_tiles(second, 1, 4, n_rows)
+  second[1, 0] += 1
+  assert _attention_rows.sequence_tiles(second, 1, 4, n_rows) is not tiles
+
+  # Under a fake-tensor mode (memory estimates, export) nothing is kept:
+  # a later real call must not meet a fake table.
+  from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+  spec = (("padded", 3, 29, 31),)
+  with FakeTensorMode():
+    fake, = _attention_rows.static_rows(torch.device(t.device), spec)
+  real, = _attention_rows.static_rows(torch.device(t.device), spec)
+  assert isinstance(fake, FakeTensor) and not isinstance(real, FakeTensor)
+  assert real[2].tolist() == [0, 31, 62]
 
   rows = q.reshape(-1, hq, d)
   one = torch_attention._seqs("packed", rows, rows, None, None, None, None,
@@ -559,3 +575,27 @@ def test_torch_tables_are_shared_per_source_and_remade_when_it_changes(rng):
   assert packed() is packed()
   cu[1] = 8
   assert packed()[1, 0].item() == 8
+
+
+def test_torch_tables_under_inference_mode_and_then_training(rng):
+  """Inference tensors have no version to key a kept table by, and cannot
+  be saved for a backward: a call under ``inference_mode`` keeps nothing
+  of its sources, and the shape-only table it shares with training calls
+  is a normal tensor, so a training call of the same shapes after it
+  takes a gradient."""
+  hq, hkv, d = HEADS
+  t = TorchRoute()
+  shapes = [(1, 11, hq, d), (1, 11, hkv, d), (1, 11, hkv, d)]
+  q, k, v = (t.array(rng.standard_normal(x)) for x in shapes)
+  with torch.inference_mode():
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=t.device)
+    rows = [x[0] for x in (q, k, v)]
+    packed = rtb.det_attention(*rows, cu_seqlens=cu, implementation=t.impl)
+    padded = rtb.det_attention(q, k, v, implementation=t.impl)
+  x = [y.clone().requires_grad_() for y in (q, k, v)]
+  out = rtb.det_attention(*x, implementation=t.impl)
+  out.backward(torch.ones_like(out))
+  assert same_bits(out, padded) and all(y.grad is not None for y in x)
+  assert same_bits(rtb.det_attention(*(y[0] for y in (q, k, v)),
+                                     cu_seqlens=cu.clone(),
+                                     implementation=t.impl), packed)

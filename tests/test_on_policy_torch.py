@@ -178,6 +178,11 @@ def test_plain_sdpa_call_under_the_mode():
     same = sdpa(q, k, v, attn_mask=additive)
     _assert_sequences_alone_and_decoding(q, k, v, starts, full)
   _assert_bits(same, full, "additive vs bool mask")
+  # Under inference_mode (a rollout engine's) the mask is an inference
+  # tensor, which has no version to remember it by: the same bits.
+  with torch.inference_mode(), rtb.batch_invariant_mode():
+    inferred = sdpa(q, k, v, attn_mask=mask.clone())
+  _assert_bits(inferred, full, "inference_mode vs no_grad")
   ref = torch.nn.functional.scaled_dot_product_attention(
       q.double(), k.double(), v.double(), attn_mask=mask)
   rows = tokens[:, None, :, None].expand_as(ref)

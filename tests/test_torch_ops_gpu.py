@@ -407,9 +407,9 @@ def test_jax_row_sum_is_the_torch_row_kernels_bits(k, dtype):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_grouped_triton_kernels_give_the_per_expert_products_bits(transposed):
   # rlk::det_grouped_mm on the grouped Triton kernels (one launch, groups
-  # read on the device) against the Hopper det_gemm on each expert's rows
-  # (the default route): forward, dA and dB bit for bit, at decode and
-  # training row counts.
+  # read on the device; the default on a GPU) against the Hopper det_gemm
+  # on each expert's rows (implementation "cuda_ffi"): forward, dA and dB
+  # bit for bit, at decode and training row counts.
   from rlk_torch_bridge._grouped_mm_op import det_grouped_mm
   k, n, experts = 2048, 768, 8
   for counts in ((3, 0, 1, 5, 2, 0, 4, 1), (700, 1, 0, 257, 64, 1500, 3, 99)):
@@ -420,14 +420,15 @@ def test_grouped_triton_kernels_give_the_per_expert_products_bits(transposed):
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     g = bf16(rows, n)
     got = {}
-    for impl in ("triton", None):
+    for impl in ("triton", "cuda_ffi"):
       a = bf16(rows, k).requires_grad_(True) if impl == "triton" else \
           got["triton"][3].detach().clone().requires_grad_(True)
       b.grad = None
       out = det_grouped_mm(a, b, offs, torch.bfloat16, impl)
       out.backward(g)
       got[impl] = (out.detach(), a.grad, b.grad.clone(), a)
-    for name, x, y in zip(("out", "da", "db"), got["triton"][:3], got[None][:3]):
+    for name, x, y in zip(("out", "da", "db"), got["triton"][:3],
+                          got["cuda_ffi"][:3]):
       assert same_bits(x, y), (counts, name)
     ref = torch.cat([got["triton"][3][s:e].double() @ b[i].double()
                      for i, (s, e) in enumerate(zip(
