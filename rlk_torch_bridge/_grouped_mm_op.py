@@ -121,10 +121,13 @@ def grouped_weight_grad(a, g, groups, dtype):
                                                   config=config)
 
 
-@torch.library.custom_op("rlk::det_grouped_mm", mutates_args=())
-def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                   out_dtype: torch.dtype, implementation: Optional[str]
-                   ) -> torch.Tensor:
+FORWARD_SCHEMA = ("(Tensor a, Tensor b, Tensor offs, ScalarType out_dtype, "
+                  "str? implementation) -> Tensor")
+BACKWARD_SCHEMA = ("(Tensor a, Tensor b, Tensor offs, Tensor g, bool need_a, "
+                   "bool need_b, str? implementation) -> (Tensor, Tensor)")
+
+
+def _forward_kernel(a, b, offs, out_dtype, implementation):
   _check_shapes(a, b, offs)
   if _on_grouped_kernel(a, implementation):
     return grouped_product(a, b, _device_groups(offs, a.shape[0], a.device),
@@ -149,67 +152,83 @@ def _check_shapes(a, b, offs):
                lambda: shapes)
 
 
-@det_grouped_mm.register_fake
-def _fake(a, b, offs, out_dtype, implementation):
+def _forward_fake(a, b, offs, out_dtype, implementation):
   _check_shapes(a, b, offs)
   return a.new_empty((a.shape[0], b.shape[-1]), dtype=out_dtype)
 
 
-def _setup(ctx, inputs, output):
-  a, b, offs, _, implementation = inputs
-  ctx.save_for_backward(a, b, offs)
-  ctx.implementation = implementation
+def _backward_kernel(a, b, offs, g, need_a, need_b, implementation):
+  """(dA, dB), an empty tensor for a gradient not needed. An operator of
+  its own: torch.compile traces an autograd function's backward, where
+  kernels would be handed fake tensors and the group ends could not be
+  read.
 
-
-def _backward(ctx, g):
-  # Each expert's products as det_mm's own backward runs them (dB[e] its
-  # transposed product, aᵀ read in place): dA rows row-invariant, dB[e] a
-  # fixed-order sum over that expert's rows.
-  a, b, offs = ctx.saved_tensors
-  impl = ctx.implementation
-  need_a, need_b = ctx.needs_input_grad[:2]
-  g = g.to(a.dtype)
-  if _on_grouped_kernel(a, impl):
-    da, db = det_grouped_mm_backward(a, b, offs, g, need_a, need_b)
-    return (da if need_a else None), (db if need_b else None), None, None, None
-  da = torch.zeros_like(a) if need_a else None
-  db = torch.zeros(b.shape, dtype=b.dtype, device=b.device) if need_b else None
+  On the grouped kernels, dA rows are g @ b[e]^T (b read transposed, in
+  place) and dB[e] each expert's own sum over its rows. Otherwise each
+  expert's products run as det_mm's own backward runs them (dB[e] its
+  transposed product, aᵀ read in place). Either way dA rows are
+  row-invariant and dB[e] a fixed-order sum over that expert's rows."""
+  if _on_grouped_kernel(a, implementation):
+    groups = _device_groups(offs, a.shape[0], a.device)
+    da = (grouped_product(g, b, groups, True, a.dtype) if need_a
+          else a.new_empty(0))
+    db = (grouped_weight_grad(a, g.contiguous(), groups, b.dtype) if need_b
+          else b.new_empty(0))
+    return da, db
+  da = torch.zeros_like(a) if need_a else a.new_empty(0)
+  db = (torch.zeros(b.shape, dtype=b.dtype, device=b.device) if need_b
+        else b.new_empty(0))
   for e, start, end in _groups(offs):
     if end <= start:
       continue
     rows, g_rows = a[start:end], g[start:end]
     if need_a:
       w, transpose = _expert_weight(b, e)
-      da[start:end] = det_mm(g_rows, w, not transpose, a.dtype, impl)
+      da[start:end] = det_mm(g_rows, w, not transpose, a.dtype,
+                             implementation)
     if need_b:
-      db[e] = _library.below_autograd(_gemm_op.OP, rows, g_rows, True, False,
-                                      b.dtype, impl)
-  return da, db, None, None, None
-
-
-# The grouped kernels' backward, an operator of its own: torch.compile
-# traces a custom op's backward formula, and kernels launched there would
-# be handed fake tensors.
-@torch.library.custom_op("rlk::det_grouped_mm_backward", mutates_args=())
-def det_grouped_mm_backward(a: torch.Tensor, b: torch.Tensor,
-                            offs: torch.Tensor, g: torch.Tensor,
-                            need_a: bool, need_b: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-  """(dA, dB) on the grouped kernels: dA rows g @ b[e]^T (b read
-  transposed, in place), dB[e] each expert's own sum over its rows; an
-  empty tensor for a gradient not needed."""
-  groups = _device_groups(offs, a.shape[0], a.device)
-  da = (grouped_product(g, b, groups, True, a.dtype) if need_a
-        else a.new_empty(0))
-  db = (grouped_weight_grad(a, g.contiguous(), groups, b.dtype) if need_b
-        else b.new_empty(0))
+      db[e] = _library.below_autograd(_gemm_op.OP, rows, g_rows, True,
+                                      False, b.dtype, implementation)
   return da, db
 
 
-@det_grouped_mm_backward.register_fake
-def _backward_fake(a, b, offs, g, need_a, need_b):
+def _backward_fake(a, b, offs, g, need_a, need_b, implementation):
   return (a.new_empty(a.shape) if need_a else a.new_empty(0),
           b.new_empty(b.shape) if need_b else b.new_empty(0))
 
 
-det_grouped_mm.register_autograd(_backward, setup_context=_setup)
+class DetGroupedMm(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, a, b, offs, out_dtype, implementation):
+    ctx.save_for_backward(a, b, offs)
+    ctx.implementation = implementation
+    return _library.below_autograd(FORWARD, a, b, offs, out_dtype,
+                                   implementation)
+
+  @staticmethod
+  @torch.autograd.function.once_differentiable
+  def backward(ctx, g):
+    a, b, offs = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    da, db = _library.below_autograd(BACKWARD, a, b, offs, g.to(a.dtype),
+                                     need_a, need_b, ctx.implementation)
+    return (da if need_a else None), (db if need_b else None), None, None, None
+
+
+def _differentiable(a, b, *_):
+  return _library.needs_grad(a, b)
+
+
+FORWARD = _library.define("det_grouped_mm", FORWARD_SCHEMA, _forward_kernel,
+                          _forward_fake, DetGroupedMm, _differentiable)
+BACKWARD = _library.define("det_grouped_mm_backward", BACKWARD_SCHEMA,
+                           _backward_kernel, _backward_fake)
+
+
+def det_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                   out_dtype: torch.dtype,
+                   implementation: Optional[str] = None) -> torch.Tensor:
+  """``torch.ops.rlk.det_grouped_mm``: ``out[r] = a[r] @ b[e]`` for each
+  row r of expert e (module docstring), with its autograd."""
+  return _library.call(FORWARD, a, b, offs, out_dtype, implementation)

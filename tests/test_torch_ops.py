@@ -61,6 +61,19 @@ def test_opcheck_pack_and_move_rows(rng):
                                           to_packed, 0.5, None))
 
 
+def test_opcheck_det_grouped_mm(rng):
+  from rlk_torch_bridge import _grouped_mm_op
+  a = randn(rng, (11, 16), torch.bfloat16, requires_grad=True)
+  b = randn(rng, (3, 16, 8), torch.bfloat16, requires_grad=True)
+  offs = torch.tensor([4, 4, 9], dtype=torch.int32)
+  torch.library.opcheck(_grouped_mm_op.FORWARD,
+                        (a, b, offs, torch.bfloat16, None))
+  torch.library.opcheck(_grouped_mm_op.BACKWARD,
+                        (a.detach(), b.detach(), offs,
+                         randn(rng, (11, 8), torch.bfloat16), True, True,
+                         None))
+
+
 def test_opcheck_linear_logp(rng):
   hidden = randn(rng, (9, 16), requires_grad=True)
   weight = randn(rng, (30, 16), requires_grad=True)
