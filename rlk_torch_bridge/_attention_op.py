@@ -193,11 +193,8 @@ class DetAttention(torch.autograd.Function):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def _differentiable(q, k, v, *_):
-  return _library.needs_grad(q, k, v)
-
-
 FORWARD = _library.define("det_attention", FORWARD_SCHEMA, _forward_kernel,
-                          _forward_fake, DetAttention, _differentiable)
+                          _forward_fake, DetAttention,
+                          _library.first_args_need_grad(3))
 BACKWARD = _library.define("det_attention_backward", BACKWARD_SCHEMA,
                            _backward_kernel, _backward_fake)

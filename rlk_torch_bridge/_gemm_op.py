@@ -126,11 +126,8 @@ class DetMm(torch.autograd.Function):
     return da, db, None, None, None, None
 
 
-def _differentiable(a, b, *_):
-  return _library.needs_grad(a, b)
-
-
-OP = _library.define("det_mm", SCHEMA, _kernel, _fake, DetMm, _differentiable)
+OP = _library.define("det_mm", SCHEMA, _kernel, _fake, DetMm,
+                     _library.first_args_need_grad(2))
 
 
 def cpp_run(a: torch.Tensor, b: torch.Tensor, transpose_b: bool,

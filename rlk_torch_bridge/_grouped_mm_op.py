@@ -216,12 +216,9 @@ class DetGroupedMm(torch.autograd.Function):
     return (da if need_a else None), (db if need_b else None), None, None, None
 
 
-def _differentiable(a, b, *_):
-  return _library.needs_grad(a, b)
-
-
 FORWARD = _library.define("det_grouped_mm", FORWARD_SCHEMA, _forward_kernel,
-                          _forward_fake, DetGroupedMm, _differentiable)
+                          _forward_fake, DetGroupedMm,
+                          _library.first_args_need_grad(2))
 BACKWARD = _library.define("det_grouped_mm_backward", BACKWARD_SCHEMA,
                            _backward_kernel, _backward_fake)
 

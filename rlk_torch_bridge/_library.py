@@ -86,3 +86,9 @@ def _hint(size: torch.SymInt) -> int:
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
   return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def first_args_need_grad(count: int) -> Callable:
+  """`define`'s `differentiable` for ops whose gradients flow to their
+  first `count` arguments (tensors) alone."""
+  return lambda *args: needs_grad(*args[:count])

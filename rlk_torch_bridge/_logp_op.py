@@ -165,12 +165,9 @@ class LinearLogp(torch.autograd.Function):
     return dh, dw, None, None, None, None, None, None
 
 
-def _differentiable(hidden, weight, *_):
-  return _library.needs_grad(hidden, weight)
-
-
 FORWARD = _library.define("linear_logp", FORWARD_SCHEMA, _forward_kernel,
-                          _forward_fake, LinearLogp, _differentiable)
+                          _forward_fake, LinearLogp,
+                          _library.first_args_need_grad(2))
 BACKWARD = _library.define("linear_logp_backward", BACKWARD_SCHEMA,
                            _grads, _backward_fake)
 ACCUMULATE = _library.define("linear_logp_backward_accumulate",

@@ -40,10 +40,6 @@ def _fake(x):
   return x.new_empty(x.shape[:-1])
 
 
-def _differentiable(x):
-  return _library.needs_grad(x)
-
-
 def _define(name: str, mean: bool):
   """``rlk::name``: the row mean (``mean``) or sum, with its autograd."""
 
@@ -65,7 +61,8 @@ def _define(name: str, mean: bool):
     return _reduce(x, x.shape[-1] if mean else 1)
 
   op = _library.define(name, "(Tensor x) -> Tensor", kernel, _fake,
-                       RowReduction, _differentiable)
+                       RowReduction,
+                       _library.first_args_need_grad(1))
   return op
 
 
