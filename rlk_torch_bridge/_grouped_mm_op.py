@@ -24,6 +24,7 @@ as one opaque call, as transformers does its fallback. Rows past the last
 group's end come back 0.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -77,10 +78,15 @@ def _device_groups(offs: torch.Tensor, rows: int,
 def _config(m, n, k, transpose_a, dtype, like: torch.Tensor):
   """The Triton tile config of a product, from the table of `like`'s
   device by torch's name for it (no JAX backend started here)."""
-  device = (torch.cuda.get_device_name(like.device) if like.is_cuda
+  device = (_device_name(like.device.index) if like.is_cuda
             else like.device.type)
   return _triton_native.tile_config(m, n, k, transpose_a, False, dtype,
                                     device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+  return torch.cuda.get_device_name(index)
 
 
 def _rows_per_expert(a, experts: int) -> int:
@@ -100,8 +106,9 @@ def grouped_product(a, b, groups, transpose_b: bool, out_dtype):
   starts, ends, _ = groups
   # Each expert's row tiles in order, as det_attention numbers a
   # sequence's query tiles.
-  tiles = _attention_rows.sequence_tiles(groups, 2, config.block_m,
-                                         a.shape[0])
+  tiles = _attention_rows.tile_map(
+      groups[2], config.block_m,
+      grouped_matmul.tile_bound(a.shape[0], e, config.block_m))
   out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
   return grouped_matmul.grouped_matmul_torch(
       a.contiguous(), b, out, tiles, starts, ends, transpose_b=transpose_b,

@@ -54,22 +54,28 @@ def _stream(device: torch.device):
                                if device.index is None else device.index)
 
 
-# The tables made and kept here (id -> weak reference): the only ones
-# `derived` keeps anything with.
+# The tables made and kept here, by id: (weak reference, the version their
+# derived values were made at, those values). Only these have values kept
+# with them (`derived`).
 _OWN: dict = {}
 
 
 def _own(table: torch.Tensor) -> torch.Tensor:
   ident = id(table)
-  _OWN[ident] = weakref.ref(table, lambda _, ident=ident: _drop(_OWN, ident))
+  _OWN[ident] = [weakref.ref(table, lambda _, ident=ident: _drop(ident)),
+                 table._version, {}]
   return table
 
 
-def _drop(store: dict, ident) -> None:
-  entry = store.get(ident)
-  ref = entry[0] if isinstance(entry, tuple) else entry
-  if ref is not None and ref() is None:
-    del store[ident]
+def _drop(ident) -> None:
+  entry = _OWN.get(ident)
+  if entry is not None and entry[0]() is None:
+    del _OWN[ident]
+
+
+def _entry(table: torch.Tensor):
+  entry = _OWN.get(id(table))
+  return entry if entry is not None and entry[0]() is table else None
 
 
 _STATIC: dict = {}
@@ -125,36 +131,21 @@ def _kept(table):
   return table
 
 
-# What is derived from a kept table (its tile maps), kept with it while it
-# lives unchanged.
-_DERIVED: dict = {}
-
-
 def derived(table: torch.Tensor, key, make):
   """``make()``, kept with `table` under `key` (and the current stream)
   while `table` lives unchanged, if `table` is one this module keeps."""
-  ident = id(table)
-  own = _OWN.get(ident)
-  if (own is None or own() is not table or table.is_inference()
-      or not keeping(table.device)):
+  entry = _entry(table)
+  if entry is None or not keeping(table.device):
     return make()
-  entry = _DERIVED.get(ident)
-  if not (entry is not None and entry[0]() is table
-          and entry[1] == table._version):
-    if len(_DERIVED) >= 4096:
-      _DERIVED.clear()
-    entry = _DERIVED[ident] = (
-        weakref.ref(table, lambda _, ident=ident: _drop(_DERIVED, ident)),
-        table._version, {})
-  kept = entry[2]
+  if entry[1] != table._version:  # changed in place: made again
+    entry[1], entry[2] = table._version, {}
   key = (key, _stream(table.device))
-  value = kept.get(key)
+  value = entry[2].get(key)
   if value is None:
-    value = kept[key] = make()
+    value = entry[2][key] = make()
   return value
 
 
 def is_kept(table: torch.Tensor) -> bool:
   """Whether `table` is one this module made and keeps."""
-  own = _OWN.get(id(table))
-  return own is not None and own() is table
+  return _entry(table) is not None

@@ -53,11 +53,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from triton_kernels import jax_launch
 from triton_kernels.backend import (cdiv, interpreted, Launcher,
-                                    next_power_of_2, tl, triton)
+                                    next_power_of_2, tile_bound, tl, triton)
 
 __all__ = ["AttentionConfig", "config_for", "forward_jax", "forward_torch",
            "PreparedForward", "backward_jax", "backward_torch", "delta_jax",
@@ -1077,7 +1076,3 @@ def fill_outside_torch(x, starts, lengths, n_rows: int, value: float):
   return x
 
 
-def tile_bound(n_rows: int, n_seqs: int, rows_per_tile: int) -> int:
-  """An upper bound, from static sizes alone, on the tiles that sequences
-  of `n_rows` rows in all need: sum ceil(len / r) <= n_rows / r + n_seqs."""
-  return max(1, math.ceil(n_rows / rows_per_tile) + n_seqs)

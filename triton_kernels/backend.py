@@ -40,6 +40,14 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def tile_bound(rows: int, runs: int, rows_per_tile: int) -> int:
+  """Tiles enough, from static sizes alone, for `rows` rows cut into
+  `runs` runs of any lengths (det_attention's sequences, a mixture of
+  experts' groups), `rows_per_tile` rows a tile: sum ceil(len / r) <=
+  rows / r + runs."""
+  return max(1, cdiv(rows, rows_per_tile) + runs)
+
+
 def next_power_of_2(n: int) -> int:
   """The least power of two >= n (1 for n <= 1), for host code:
   ``triton.next_power_of_2`` is a constexpr function, as slow as ``cdiv``'s

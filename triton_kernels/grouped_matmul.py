@@ -25,16 +25,11 @@ det_matmul wraps its overhang onto real rows.
 
 from __future__ import annotations
 
-from triton_kernels.backend import cdiv, interpreted, Launcher, tl, triton
+from triton_kernels.backend import (cdiv, interpreted, Launcher, tile_bound,
+                                    tl, triton)
 from triton_kernels.det_matmul import tile_product
 
 __all__ = ["grouped_matmul_torch", "grouped_weight_grad_torch", "tile_bound"]
-
-
-def tile_bound(rows: int, groups: int, block_m: int) -> int:
-  """Row tiles enough for `rows` rows in `groups` groups of any sizes:
-  sum ceil(len / block_m) <= rows / block_m + groups."""
-  return max(1, cdiv(rows, block_m) + groups)
 
 
 if triton is not None:
